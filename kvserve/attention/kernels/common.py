@@ -1,0 +1,36 @@
+"""Pieces shared by the prefill and decode kernels.
+
+Visible keys are walked in a "virtual" index j: the sink keys [0, sink_end)
+first, then the window keys [lo, hi). Only those keys are ever loaded, so a
+sliding-window layer costs O(window + sink) per query tile and the NULL
+blocks that replace out-of-window pages are never read.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def visible_range(first_pos, window, sink, SLIDING: tl.constexpr):
+    """(lo, sink_end) for a query tile whose earliest query is at first_pos."""
+    if SLIDING:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        sink_end = tl.minimum(sink, lo)
+    else:
+        lo = first_pos * 0
+        sink_end = first_pos * 0
+    return lo, sink_end
+
+
+@triton.jit
+def page_offsets(j, num_keys, sink_end, lo, block_table_row_ptr,
+                 stride_cache_block, stride_cache_offset, kv_head_offset,
+                 PAGE_SIZE: tl.constexpr):
+    """Key positions and cache element offsets of virtual indices j."""
+    key = tl.where(j < sink_end, j, j - sink_end + lo)
+    valid = j < num_keys
+    page = tl.load(block_table_row_ptr + key // PAGE_SIZE, mask=valid, other=0)
+    offsets = (page.to(tl.int64) * stride_cache_block
+               + (key % PAGE_SIZE) * stride_cache_offset + kv_head_offset)
+    return key, valid, offsets

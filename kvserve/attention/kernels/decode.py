@@ -1,0 +1,173 @@
+"""Decode attention (one query per sequence) with split-KV, plus the reduce.
+
+Grid (sequence, KV head, split): a program loads the GROUP query heads that
+share one KV head as the rows of a tl.dot, so each K/V page is read once per
+GQA group, and walks its split's slice of the visible keys (sink + window for
+sliding layers). Each split writes a normalised partial output and its
+log2-sum-exp; the reduce kernel merges the splits of one (sequence, head).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.attention.kernels.common import page_offsets, visible_range
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64            # keys per tile
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: int = 4               # aim for waves * SM count programs
+    min_split_keys: int = 512    # never split below this many keys
+    num_splits: int | None = None  # fixed split count (bench sweeps); None = heuristic
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_table_ptr,
+    query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink, split_len,
+    stride_qt, stride_qh, stride_table,
+    stride_cache_block, stride_cache_offset, stride_cache_head, num_splits,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
+    num_keys = sink_end + seq_len - lo
+    start = split * split_len
+    end = tl.minimum(num_keys, start + split_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table
+    kv_head_offset = kv_head * stride_cache_head
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        j = tile + tl.arange(0, BLOCK_N)
+        _, key_valid, kv_offs = page_offsets(
+            j, end, sink_end, lo, table_row, stride_cache_block,
+            stride_cache_offset, kv_head_offset, PAGE_SIZE)
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(key_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0  # an empty split (past this sequence's end) merges as weight 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(l_i), float("-inf"))
+    part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
+    tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
+             mask=row_valid[:, None])
+    tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+    num_splits, NUM_HEADS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    split_valid = splits < num_splits
+    row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + row + splits, mask=split_valid, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    weight = tl.where(split_valid, weight, 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    part = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
+                   mask=split_valid[:, None], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty))
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: any small number exercises the splits
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def plan_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int,
+                config: DecodeConfig) -> tuple[int, int]:
+    """(num_splits, keys per split), keys per split a multiple of block_n."""
+    tiles = max(1, triton.cdiv(max_keys, config.block_n))
+    if config.num_splits is not None:
+        wanted = config.num_splits
+    else:
+        wanted = triton.cdiv(config.waves * num_sms, num_seqs * num_kv_heads)
+        wanted = min(wanted, max(1, max_keys // config.min_split_keys))
+    wanted = max(1, min(wanted, tiles, MAX_SPLITS))
+    tiles_per_split = triton.cdiv(tiles, wanted)
+    return triton.cdiv(tiles, tiles_per_split), tiles_per_split * config.block_n
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                     block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                     window: int | None, sink: int,
+                     config: DecodeConfig = DecodeConfig()) -> torch.Tensor:
+    """q/out: [num_seqs, H, D], one query per sequence; cache holds its K/V."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    max_keys = max_seq_len if window is None else min(max_seq_len, window + sink)
+    num_splits, split_len = plan_splits(num_seqs, num_kv_heads, max_keys,
+                                        _sm_count(q.device), config)
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
+                           dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, num_heads, num_splits,
+                           dtype=torch.float32, device=q.device)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, key_cache, value_cache, part_out, part_lse, block_table,
+        query_start_loc, seq_lens, scale * LOG2E, window or 0, sink, split_len,
+        q.stride(0), q.stride(1), block_table.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_splits,
+        NUM_HEADS=num_heads, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_SIZE=kv_cache.shape[2], BLOCK_N=config.block_n,
+        SLIDING=window is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
+        num_splits, NUM_HEADS=num_heads,
+        SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+    return out

@@ -1,0 +1,118 @@
+"""Varlen (chunked) prefill attention over the paged KV cache.
+
+A program owns BLOCK_Q query tokens of one sequence times all GROUP query
+heads of one KV head (BLOCK_M = BLOCK_Q * GROUP rows), so each K/V tile is
+loaded once per GQA group. It walks only the keys its tile can see (cached
+prefix + causal part of the chunk, or sink + window), with an online softmax
+in fp32 and tl.dot for both matrix products.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.attention.kernels.common import page_offsets, visible_range
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 128   # query rows (tokens x heads of one GQA group)
+    block_n: int = 64    # keys per tile
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr,
+    query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok
+    dims = tl.arange(0, HEAD_DIM)
+    q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offs + dims[None, :], mask=row_valid[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    first_pos = seq_len - q_len + q_tile * BLOCK_Q
+    hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    lo, sink_end = visible_range(first_pos, window, sink, SLIDING)
+    num_keys = sink_end + hi - lo
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table
+    kv_head_offset = kv_head * stride_cache_head
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(0, num_keys, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        key, key_valid, kv_offs = page_offsets(
+            j, num_keys, sink_end, lo, table_row, stride_cache_block,
+            stride_cache_offset, kv_head_offset, PAGE_SIZE)
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = key_valid[None, :] & (key[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible &= ((q_pos[:, None] - key[None, :]) < window) | (key[None, :] < sink)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptr + o_offs + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None])
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                      block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                      window: int | None, sink: int,
+                      config: PrefillConfig = PrefillConfig()) -> torch.Tensor:
+    """q/out: [T, H, D]; the cache already holds this step's K/V."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
+        scale * LOG2E, window or 0, sink,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
+        BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out

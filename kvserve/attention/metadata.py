@@ -1,0 +1,39 @@
+"""Per-batch forward metadata passed explicitly from the runner to every
+attention layer (never a module global).
+
+Tokens of a batch are flattened: sequence i owns query tokens
+`query_start_loc[i]:query_start_loc[i+1]`, at positions
+`seq_lens[i] - query_lens[i] ... seq_lens[i] - 1`. Each KV cache group (layers
+sharing one attention spec) has its own block table and slot mapping, so a GPU
+backend plugs in without the scheduler or cache knowing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_seqs: int
+    num_tokens: int
+    block_size: int
+    # [num_seqs + 1] int32, cumulative query lengths (device tensor).
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32, context length after this step (computed + new).
+    seq_lens: torch.Tensor
+    # Per group: [num_seqs, max_blocks] int32 block ids (0 = null block).
+    block_tables: list[torch.Tensor]
+    # Per group: [num_tokens] int64 cache slots (block_id * block_size + offset)
+    # where the new K/V of each token is written.
+    slot_mappings: list[torch.Tensor]
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, for backends that loop on the host (the torch reference).
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

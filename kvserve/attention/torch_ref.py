@@ -1,0 +1,125 @@
+"""The torch reference attention backend: paged KV write + masked SDPA.
+
+Owns the portable (any device, any dtype) implementation of the backend
+protocol. It is vectorised over the batch: each sequence's keys are gathered
+through its block table into one padded tensor, queries are padded the same
+way, and a boolean mask built from positions and the layer's spec (causal,
+sliding window, sink, padding) goes to `scaled_dot_product_attention`. It is
+the correctness oracle for faster backends and the CPU benchmark path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionLayerInfo, register_backend
+from kvserve.attention.metadata import AttentionMetadata
+
+
+@register_backend("torch")
+class TorchReferenceBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, layer: AttentionLayerInfo,
+                meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mappings[layer.group_id])
+        block_table = meta.block_tables[layer.group_id]
+        keys, values = gather_kv(kv_cache, block_table, meta.max_seq_len)
+        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        mask = build_mask(layer, meta.seq_lens, query_lens,
+                          meta.max_query_len, keys.shape[1])
+        # Keys no query may see can come from the NULL block or from slots past
+        # the sequence end (garbage, possibly NaN); a NaN score or value poisons
+        # the output even when masked, so zero them rather than only mask them.
+        key_visible = mask.any(dim=1)
+        keys = keys.masked_fill(~key_visible[:, :, None, None], 0)
+        values = values.masked_fill(~key_visible[:, :, None, None], 0)
+        mask = _open_padding_rows(mask, key_visible, query_lens)
+        seq_idx, q_idx = _token_coordinates(meta, query_lens)
+        q_pad = _pad_queries(q, meta, seq_idx, q_idx)
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None], scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out = out.transpose(1, 2)  # [B, Q, H, D]
+        if meta.is_decode_only:
+            return out[:, 0]
+        return out[seq_idx, q_idx]
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store each token's k/v at its flat slot (block_id * block_size + offset)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_cache.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor,
+              max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous [B, num_blocks * block_size, KVH, D] keys and values."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-max_seq_len // block_size)
+    if block_table.shape[1] < num_blocks:
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} columns but max_seq_len "
+            f"{max_seq_len} needs {num_blocks} blocks of {block_size}")
+    table = block_table[:, :num_blocks].long()
+    batch = table.shape[0]
+    keys = kv_cache[0][table].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
+    values = kv_cache[1][table].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
+    return keys, values
+
+
+def build_mask(layer: AttentionLayerInfo, seq_lens: torch.Tensor,
+               query_lens: torch.Tensor, max_query_len: int,
+               num_keys: int) -> torch.Tensor:
+    """[B, max_query_len, num_keys] bool: True where a query may see a key."""
+    device = seq_lens.device
+    seq_lens = seq_lens.long()[:, None, None]
+    query_lens = query_lens.long()[:, None, None]
+    q_offsets = torch.arange(max_query_len, device=device)[None, :, None]
+    query_pos = seq_lens - query_lens + q_offsets
+    key_pos = torch.arange(num_keys, device=device)[None, None, :]
+    # Padding rows (q_offsets >= query_len) get query_pos >= seq_len: the
+    # causal test then only admits keys past the sequence for them; they are
+    # cleared below and reopened by _open_padding_rows.
+    is_real_row = q_offsets < query_lens
+    mask = (key_pos <= query_pos) & is_real_row
+    # Duck-typed so a new spec with a window needs no change here.
+    window = getattr(layer.spec, "window", None)
+    if window is not None:
+        mask &= (query_pos - key_pos < window) | (key_pos < layer.spec.sink)
+    return mask
+
+
+def _open_padding_rows(mask: torch.Tensor, key_visible: torch.Tensor,
+                       query_lens: torch.Tensor) -> torch.Tensor:
+    """Let padded query rows see the sequence's finite keys so SDPA's softmax
+    stays finite there; their outputs are dropped when unpadding."""
+    q_offsets = torch.arange(mask.shape[1], device=mask.device)[None, :, None]
+    is_padding_row = q_offsets >= query_lens.long()[:, None, None]
+    return mask | (is_padding_row & key_visible[:, None, :])
+
+
+def _token_coordinates(meta: AttentionMetadata, query_lens: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, index within the sequence's queries) for each token."""
+    device = query_lens.device
+    seq_idx = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=device), query_lens.long(),
+        output_size=meta.num_tokens)
+    q_idx = torch.arange(meta.num_tokens, device=device) - meta.query_start_loc[seq_idx].long()
+    return seq_idx, q_idx
+
+
+def _pad_queries(q: torch.Tensor, meta: AttentionMetadata, seq_idx: torch.Tensor,
+                 q_idx: torch.Tensor) -> torch.Tensor:
+    if meta.is_decode_only:
+        return q[:, None]
+    q_pad = q.new_zeros(meta.num_seqs, meta.max_query_len, *q.shape[1:])
+    q_pad[seq_idx, q_idx] = q
+    return q_pad

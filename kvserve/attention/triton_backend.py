@@ -1,0 +1,59 @@
+"""The Triton attention backend: paged KV write + prefill / decode kernels.
+
+Owns the choice of kernel per batch: decode-only batches (max_query_len == 1)
+go to the split-KV decode kernel, any batch with a longer query (prefill,
+chunked prefill, or prefill mixed with decodes) to the varlen prefill kernel,
+which handles one-token queries too. Grid sizes come from the metadata's host
+copies, so forward issues no host-device synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+import triton  # noqa: F401  (an ImportError here keeps the backend unregistered)
+
+from kvserve.attention.backend import AttentionLayerInfo, register_backend
+from kvserve.attention.kernels import decode_attention, prefill_attention, reshape_and_cache
+from kvserve.attention.metadata import AttentionMetadata
+
+
+@register_backend("triton")
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, layer: AttentionLayerInfo,
+                meta: AttentionMetadata) -> torch.Tensor:
+        _check_layout(q, k, v, kv_cache)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mappings[layer.group_id])
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if meta.num_tokens == 0:
+            return out
+        window, sink = mask_bounds(layer)
+        args = (q, kv_cache, out, meta.block_tables[layer.group_id],
+                meta.query_start_loc, meta.seq_lens)
+        if meta.is_decode_only:
+            return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink)
+        return prefill_attention(*args, meta.max_query_len, layer.scale, window, sink)
+
+
+def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:
+    """(window or None for full attention, sink) of the layer's spec.
+
+    Duck-typed like the torch reference, so a new windowed spec needs no change.
+    """
+    return getattr(layer.spec, "window", None), layer.spec.sink
+
+
+def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor) -> None:
+    head_dim = kv_cache.shape[-1]
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"the Triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous [2, num_blocks, block_size, KVH, D]")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last (head_dim) axis")
+    if q.shape[1] % kv_cache.shape[3]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of "
+                         f"{kv_cache.shape[3]} KV heads")

@@ -1,0 +1,44 @@
+"""Chained block hashes: the prefix-cache key of every full block.
+
+Owns the hash function and the incremental extension of `Request.block_hashes`.
+Block i's hash covers block i-1's hash, block i's token ids and the engine's
+extra keys (model, LoRA, ...), so equal hashes imply equal prefixes up to a
+128-bit collision. Hits never trust the hash alone: the pool also verifies
+the stored parent hash, tokens and position (see `block_pool.BlockContent`).
+"""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import xxhash
+
+if TYPE_CHECKING:
+    from kvserve.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int],
+               extra_keys: tuple = ()) -> bytes:
+    """xxh3-128 over the parent hash, the int32-packed tokens and the extra keys."""
+    hasher = xxhash.xxh3_128()
+    # A fixed-width marker keeps "no parent" distinct from any 16-byte parent.
+    hasher.update(parent if parent is not None else b"\x00root")
+    hasher.update(array("i", token_ids).tobytes())
+    hasher.update(repr(extra_keys).encode())
+    return hasher.digest()
+
+
+def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = ()) -> None:
+    """Append hashes for the full blocks of `request.all_token_ids` not hashed yet."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes = request.block_hashes
+    num_full = request.num_tokens // block_size
+    if len(hashes) >= num_full:
+        return
+    token_ids = request.all_token_ids  # built once: the property concatenates
+    for index in range(len(hashes), num_full):
+        parent = hashes[-1] if hashes else None
+        block_tokens = token_ids[index * block_size:(index + 1) * block_size]
+        hashes.append(hash_block(parent, block_tokens, extra_keys))

@@ -1,0 +1,264 @@
+"""KVCacheManager: the only KV-cache object the scheduler talks to.
+
+Owns the block pool, one per-type manager per KV cache group, and the cache
+statistics. It coordinates the groups (a prefix hit must be valid for every
+group; an allocation succeeds for all groups or changes nothing) and never
+looks at spec types: per-type behaviour lives in `managers.py`.
+
+Scheduler contract for `num_computed_tokens`:
+  1. Admitting a request: `computed, hit = get_computed_blocks(request)`, then
+     `allocate_slots(request, num_new_tokens, computed)`. allocate_slots treats
+     tokens [0, request.num_computed_tokens + hit) as already computed (the hit
+     is NOT yet in num_computed_tokens) and covers
+     [0, num_computed_tokens + hit + num_new_tokens).
+  2. Only if it returned True: `request.num_computed_tokens += hit`
+     (and `num_cached_tokens = hit` on first admission).
+  3. Later steps: `allocate_slots(request, num_new_tokens)`; the first query of
+     the step is at `request.num_computed_tokens`, so advance it by the tokens
+     actually computed before the next call.
+  Call allocate_slots right after get_computed_blocks: a hit whose blocks were
+  evicted in between is rejected with ValueError.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvserve.cache import groups as layout
+from kvserve.cache.block_pool import BlockPool, KVBlock
+from kvserve.cache.groups import KVCacheGroup
+from kvserve.cache.hashing import extend_block_hashes
+from kvserve.cache.managers import SingleTypeManager, make_manager
+
+if TYPE_CHECKING:
+    from kvserve.request import Request
+
+
+@dataclass
+class ComputedBlocks:
+    """A prefix hit: per-group hit blocks (NULL where unneeded) and its length."""
+
+    blocks: list[list[KVBlock]]
+    num_tokens: int
+    # Pool epoch at lookup; if it moved, the hit is re-verified before use.
+    pool_epoch: int = -1
+
+    def block_ids(self) -> list[list[int]]:
+        return [[block.block_id for block in group] for group in self.blocks]
+
+
+class KVCacheManager:
+    """Allocates, caches and frees KV blocks for requests across all groups."""
+
+    def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True, extra_keys: tuple = ()) -> None:
+        if not groups:
+            raise ValueError("KVCacheManager needs at least one KV cache group")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.groups = list(groups)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_keys = extra_keys
+        self.pool = BlockPool(num_blocks)
+        self.managers: list[SingleTypeManager] = [
+            make_manager(group.spec, self.pool, block_size, group_id)
+            for group_id, group in enumerate(self.groups)]
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        # End of each request's computed+scheduled range (for fragmentation).
+        self._num_tokens: dict[str, int] = {}
+
+    # ---- layout -------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        return layout.group_size(self.groups)
+
+    @property
+    def layer_to_group(self) -> list[int]:
+        return layout.layer_to_group(self.groups)
+
+    @property
+    def layer_to_slot(self) -> list[int]:
+        return layout.layer_to_slot(self.groups)
+
+    # ---- stats --------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the reserved null block."""
+        return self.pool.num_blocks - 1
+
+    # ---- prefix hits --------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
+        """Longest cached prefix valid for every group, capped at num_tokens - 1
+        so at least one token is computed. Counts nothing: the caller records
+        the lookup with `record_prefix_lookup` once admission succeeds, so a
+        retried admission is not counted twice."""
+        if not self.enable_prefix_caching:
+            return self._no_hit(), 0
+        extend_block_hashes(request, self.block_size, self.extra_keys)
+        hit = self._longest_common_hit(request.block_hashes, request.all_token_ids,
+                                       request.num_tokens - 1)
+        return hit, hit.num_tokens
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted lookup: queries and hits, both in tokens."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def _longest_common_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
+                            max_length: int) -> ComputedBlocks:
+        # Sliding-window validity is not prefix-closed: shrinking the length
+        # for one group can invalidate another's, so iterate to a fixed point.
+        length = max(0, max_length)
+        while True:
+            hits = [m.find_longest_cache_hit(block_hashes, token_ids, length)
+                    for m in self.managers]
+            lengths = {len(blocks) * self.block_size for blocks in hits}
+            if len(lengths) == 1:
+                return ComputedBlocks(hits, lengths.pop(), self.pool.epoch)
+            length = min(lengths)
+
+    def _no_hit(self) -> ComputedBlocks:
+        return ComputedBlocks([[] for _ in self.managers], 0, self.pool.epoch)
+
+    # ---- allocation ---------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks | None = None) -> bool:
+        """Cover tokens [0, num_computed_tokens + hit + num_new_tokens) in every group.
+
+        Tokens [0, num_computed_tokens + hit) count as computed; the first query
+        of this step is at that position, and sliding groups drop blocks no query
+        from there on reads. Blocks that become full of known tokens are cached.
+        Returns False, changing nothing, when the free blocks (cached free blocks
+        included) do not suffice. See the module docstring for the contract.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hit = computed if computed is not None and computed.num_tokens > 0 else None
+        if hit is not None:
+            self._check_hit_usable(request, hit)
+        first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        total = first_query_pos + num_new_tokens
+        if not self._can_allocate(request.request_id, hit, first_query_pos, total):
+            return False
+        self._apply_allocation(request.request_id, hit, first_query_pos, total)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, total)
+        return True
+
+    def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
+                      first_query_pos: int, total: int) -> bool:
+        needed = 0
+        for group_id, manager in enumerate(self.managers):
+            hit_blocks = hit.blocks[group_id] if hit else []
+            needed += manager.num_new_blocks(request_id, total, len(hit_blocks))
+            # A hit on a free block takes it out of the free queue.
+            needed += sum(1 for b in hit_blocks if not b.is_null and b.ref_cnt == 0)
+            needed -= manager.num_reclaimed(request_id, first_query_pos)
+        return needed <= self.pool.num_free_blocks
+
+    def _apply_allocation(self, request_id: str, hit: ComputedBlocks | None,
+                          first_query_pos: int, total: int) -> None:
+        # Phase order matters: hits are touched in every group before any group
+        # reclaims free blocks, or a free hit block could be handed out as new.
+        if hit is not None:
+            for group_id, manager in enumerate(self.managers):
+                manager.add_hit_blocks(request_id, hit.blocks[group_id])
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request_id, first_query_pos)
+        for manager in self.managers:
+            manager.allocate_new_blocks(request_id, total)
+        self._num_tokens[request_id] = total
+
+    def _check_hit_usable(self, request: Request, hit: ComputedBlocks) -> None:
+        if request.request_id in self._num_tokens:
+            raise ValueError(f"request {request.request_id!r} already holds blocks; "
+                             f"pass a prefix hit only when admitting it")
+        if hit.pool_epoch == self.pool.epoch:
+            return
+        token_ids = request.all_token_ids
+        for manager, blocks in zip(self.managers, hit.blocks):
+            for index, block in enumerate(blocks):
+                if block.is_null:
+                    continue
+                if manager.lookup(request.block_hashes, token_ids, index) is not block:
+                    raise ValueError("stale prefix hit: call get_computed_blocks right "
+                                     "before allocate_slots for the same request")
+
+    def _cache_full_blocks(self, request: Request, total: int) -> None:
+        num_known = min(total, request.num_tokens)
+        pending = [m for m in self.managers
+                   if m.num_cached_blocks.get(request.request_id, 0) < num_known // self.block_size]
+        if not pending:
+            return
+        extend_block_hashes(request, self.block_size, self.extra_keys)
+        token_ids = request.all_token_ids
+        for manager in pending:
+            manager.cache_full_blocks(request.request_id, request.block_hashes, token_ids,
+                                      num_known)
+
+    # ---- release ------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Release all of a request's blocks (tail first); unknown ids are a no-op."""
+        for manager in self.managers:
+            manager.free(request.request_id)
+        self._num_tokens.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; False (nothing done) while requests hold blocks."""
+        return self.pool.reset_prefix_cache()
+
+    # ---- introspection ------------------------------------------------
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group block table, NULL block (id 0) included."""
+        return [[block.block_id for block in m.blocks(request_id)] for m in self.managers]
+
+    def num_blocks_needed(self, num_tokens: int, chunk_tokens: int = 1) -> int:
+        """Peak blocks one request holds across groups to reach `num_tokens`,
+        computing at most `chunk_tokens` per step (sliding groups stay bounded)."""
+        return sum(m.max_blocks(num_tokens, chunk_tokens) for m in self.managers)
+
+    def fragmentation(self) -> float:
+        """Share of slots in held blocks that hold no computed/scheduled token."""
+        used: dict[int, int] = {}
+        for manager in self.managers:
+            for request_id, table in manager.req_to_blocks.items():
+                end = self._num_tokens.get(request_id, 0)
+                for index, block in enumerate(table):
+                    if block.is_null:
+                        continue
+                    slots = min(self.block_size, max(0, end - index * self.block_size))
+                    used[block.block_id] = max(used.get(block.block_id, 0), slots)
+        if not used:
+            return 0.0
+        return 1.0 - sum(used.values()) / (len(used) * self.block_size)
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError when ref counts, free queue and hash map disagree."""
+        refs: Counter[int] = Counter()
+        for group_id, manager in enumerate(self.managers):
+            for request_id, table in manager.req_to_blocks.items():
+                ids = [block.block_id for block in table if not block.is_null]
+                if len(ids) != len(set(ids)):
+                    raise RuntimeError(f"request {request_id!r} holds a block twice "
+                                       f"in group {group_id}: {ids}")
+                refs.update(ids)
+        if self.pool.null_block.ref_cnt != 0 or self.pool.null_block.block_hash is not None:
+            raise RuntimeError("the NULL block was referenced or cached")
+        self.pool.check_integrity(refs)

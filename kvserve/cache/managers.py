@@ -1,0 +1,202 @@
+"""Per-attention-type block policy: one manager per KV cache group.
+
+A manager owns, per request, the block table of ONE group (a list of
+`KVBlock`, the NULL block where this attention type will never read again)
+and decides: how many blocks cover N tokens, which blocks can be dropped as a
+window moves, and what the longest prefix-cache hit is. Physical blocks come
+from the shared `BlockPool`. A new attention type adds a spec in `specs.py`
+and a manager here, registered in `MANAGER_FOR_SPEC`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.cache.block_pool import BlockContent, BlockPool, KVBlock
+from kvserve.cache.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeManager:
+    """Shared bookkeeping; subclasses supply the attention-type policy."""
+
+    def __init__(self, spec: AttentionSpec, pool: BlockPool, block_size: int,
+                 group_id: int) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.block_size = block_size
+        self.group_id = group_id
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # Leading blocks of each table already offered to the hash map.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    # ---- policy hooks -------------------------------------------------
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
+                               max_length: int) -> list[KVBlock]:
+        """Hit blocks (NULL where not needed) of the longest valid hit <= max_length."""
+        raise NotImplementedError
+
+    def skippable_blocks(self, request_id: str, first_query_pos: int) -> list[int]:
+        """Table indices this type will never read again once queries start at
+        `first_query_pos`; highest index first (the eviction order we free in)."""
+        return []
+
+    def max_blocks(self, num_tokens: int, chunk_tokens: int = 1) -> int:
+        """Peak blocks one request holds in this group to reach `num_tokens`."""
+        return cdiv(num_tokens, self.block_size)
+
+    # ---- mechanics ----------------------------------------------------
+    def blocks(self, request_id: str) -> list[KVBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
+        held = len(self.blocks(request_id)) + num_hit_blocks
+        return max(0, cdiv(num_tokens, self.block_size) - held)
+
+    def num_reclaimed(self, request_id: str, first_query_pos: int) -> int:
+        """Blocks that become free when the skippable ones are dropped."""
+        table = self.blocks(request_id)
+        return sum(1 for i in self.skippable_blocks(request_id, first_query_pos)
+                   if table[i].ref_cnt == 1)
+
+    def add_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
+        if request_id in self.req_to_blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks; prefix hits "
+                             f"apply only to a request being admitted")
+        self.pool.touch(hit_blocks)
+        self.req_to_blocks[request_id] = list(hit_blocks)
+        self.num_cached_blocks[request_id] = len(hit_blocks)
+
+    def remove_skipped_blocks(self, request_id: str, first_query_pos: int) -> None:
+        table = self.blocks(request_id)
+        skipped = self.skippable_blocks(request_id, first_query_pos)
+        freed = [table[i] for i in skipped]
+        for i in skipped:
+            table[i] = self.pool.null_block
+        self.pool.free_blocks(freed)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> None:
+        table = self.req_to_blocks.setdefault(request_id, [])
+        table.extend(self.pool.get_new_blocks(self.num_new_blocks(request_id, num_tokens, 0)))
+
+    def cache_full_blocks(self, request_id: str, block_hashes: Sequence[bytes],
+                          token_ids: Sequence[int], num_tokens: int) -> None:
+        """Register blocks full of known tokens within [0, num_tokens)."""
+        table = self.blocks(request_id)
+        start = self.num_cached_blocks.get(request_id, 0)
+        end = min(num_tokens // self.block_size, len(block_hashes), len(table))
+        for index in range(start, end):
+            block = table[index]
+            content = block_content(block_hashes, token_ids, index, self.block_size)
+            self.pool.cache_block(block, self.group_id, block_hashes[index], content)
+        self.num_cached_blocks[request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        """Free the table tail first so the shared prefix outlives it in the cache."""
+        table = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
+        self.pool.free_blocks(reversed(table))
+
+    def lookup(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
+               index: int) -> KVBlock | None:
+        content = block_content(block_hashes, token_ids, index, self.block_size)
+        return self.pool.get_cached_block(self.group_id, block_hashes[index], content)
+
+
+def block_content(block_hashes: Sequence[bytes], token_ids: Sequence[int], index: int,
+                  block_size: int) -> BlockContent:
+    """What block `index` of a request must hold for a hit to be correct."""
+    parent = block_hashes[index - 1] if index > 0 else None
+    tokens = tuple(token_ids[index * block_size:(index + 1) * block_size])
+    return BlockContent(parent, tokens, index)
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Every key stays visible: keep all blocks; hits are prefix-closed."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
+                               max_length: int) -> list[KVBlock]:
+        hit: list[KVBlock] = []
+        for index in range(min(max_length // self.block_size, len(block_hashes))):
+            block = self.lookup(block_hashes, token_ids, index)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """Window + sink: blocks between the sink and the window go back to the pool.
+
+    A query at p sees key k iff k <= p and (p - k < window or k < sink).
+    """
+
+    spec: SlidingWindowSpec
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return cdiv(self.spec.sink, self.block_size)
+
+    def skippable_blocks(self, request_id: str, first_query_pos: int) -> list[int]:
+        table = self.blocks(request_id)
+        # Blocks [0, end) lie wholly before the first key any query of this step sees.
+        end = min(self.spec.visible_start(first_query_pos) // self.block_size, len(table))
+        skipped = []
+        # Outside the sink a table is NULL* then real*, so stop at the first NULL.
+        for index in range(end - 1, self.num_sink_blocks - 1, -1):
+            if table[index].is_null:
+                break
+            skipped.append(index)
+        return skipped
+
+    def max_blocks(self, num_tokens: int, chunk_tokens: int = 1) -> int:
+        # Keys [p0 - window + 1, p0 + chunk) span window - 1 + chunk tokens,
+        # which can straddle one more block than their length needs.
+        bounded = (cdiv(self.spec.window - 1 + chunk_tokens, self.block_size) + 1
+                   + self.num_sink_blocks)
+        return min(cdiv(num_tokens, self.block_size), bounded)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
+                               max_length: int) -> list[KVBlock]:
+        num_blocks = min(max_length // self.block_size, len(block_hashes))
+        found = [self.lookup(block_hashes, token_ids, i) for i in range(num_blocks)]
+        for length_blocks in range(num_blocks, 0, -1):
+            if self._is_valid_hit(found, length_blocks):
+                return self._hit_table(found, length_blocks)
+        return []
+
+    def _is_valid_hit(self, found: list[KVBlock | None], length_blocks: int) -> bool:
+        """Valid iff every block a query at L may read is cached (L = length in tokens).
+
+        Generous by one token: the window is taken as [L - window, L).
+        """
+        length = length_blocks * self.block_size
+        first = max(0, length - self.spec.window) // self.block_size
+        sink_end = min(self.num_sink_blocks, length_blocks)
+        return (all(b is not None for b in found[first:length_blocks])
+                and all(b is not None for b in found[:sink_end]))
+
+    def _hit_table(self, found: list[KVBlock | None], length_blocks: int) -> list[KVBlock]:
+        """Keep only the blocks the next query (at L) reads; NULL elsewhere."""
+        length = length_blocks * self.block_size
+        first_needed = self.spec.visible_start(length) // self.block_size
+        null = self.pool.null_block
+        return [found[i] if (i >= first_needed or i < self.num_sink_blocks) else null
+                for i in range(length_blocks)]
+
+
+MANAGER_FOR_SPEC: dict[type, type[SingleTypeManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+}
+
+
+def make_manager(spec: AttentionSpec, pool: BlockPool, block_size: int,
+                 group_id: int) -> SingleTypeManager:
+    manager_cls = MANAGER_FOR_SPEC.get(type(spec))
+    if manager_cls is None:
+        raise ValueError(f"no KV cache manager for attention spec {spec!r}; "
+                         f"register one in MANAGER_FOR_SPEC")
+    return manager_cls(spec, pool, block_size, group_id)

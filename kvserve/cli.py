@@ -1,0 +1,112 @@
+"""The `kvserve` command line: generate, chat, serve, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that builds an engine (vLLM's names)."""
+    p.add_argument("--model", default=None, help="HF dir, .gguf file, or dummy:<shape> (default: embedded SmolLM2-135M)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
+                block_size=a.block_size, enable_prefix_caching=a.enable_prefix_caching,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                max_model_len=a.max_model_len, num_kv_blocks=a.num_kv_blocks,
+                kv_cache_memory_gb=a.kv_cache_memory_gb, gpu_memory_utilization=a.gpu_memory_utilization,
+                enforce_eager=a.enforce_eager, seed=a.seed)
+
+
+def _sampling(a: argparse.Namespace):
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.sampling_seed)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvserve.entrypoints.llm import LLM
+    llm = LLM(**engine_kwargs(a))
+    outputs = llm.generate(a.prompts, _sampling(a), use_tqdm=len(a.prompts) > 1)
+    for out in outputs:
+        print(out.outputs[0].text if len(outputs) == 1 else f"[{out.request_id}] {out.outputs[0].text}")
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from kvserve.entrypoints.llm import LLM
+    llm = LLM(**engine_kwargs(a))
+    history: list[dict[str, str]] = []
+    if a.system:
+        history.append({"role": "system", "content": a.system})
+    print("kvserve chat — empty line or Ctrl-D to quit.", file=sys.stderr)
+    for line in sys.stdin if not sys.stdin.isatty() else iter(lambda: input("> "), None):
+        line = line.strip()
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, _sampling(a), use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
+    gen.add_argument("prompts", nargs="+")
+    add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat through the model's chat template")
+    chat.add_argument("--system", default=None)
+    add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+    from kvserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
+    _add_serve_parser(sub)
+    return parser
+
+
+def _add_serve_parser(sub: Any) -> None:
+    try:
+        from kvserve.server.cli import add_serve_parser
+    except ImportError:
+        return
+    add_serve_parser(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

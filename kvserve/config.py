@@ -1,0 +1,93 @@
+"""Engine configuration: frozen dataclasses validated at construction.
+
+Each knob's error names the value and the limit, so a user can act on it.
+Configs are never mutated after construction; derived values are computed
+once by `EngineConfig.create`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_BLOCK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (one is the reserved null block), "
+                             f"got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything `LLM(...)` and the CLI accept, before the model is known."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    seed: int = 0
+    hf_overrides: dict[str, Any] | None = None
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
+        # Validate cache knobs early, before any model loading.
+        self.cache_config()
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                           num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
+                           gpu_memory_utilization=self.gpu_memory_utilization)
+
+    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum context "
+                             f"length {model_max_len}")
+        budget = self.max_num_batched_tokens or 8192
+        return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+                               max_model_len=max_model_len)

@@ -1,0 +1,125 @@
+"""Engine wiring: model config -> KV groups -> KV capacity -> model -> runner.
+
+Kept apart from `LLMEngine` so the step loop reads without start-up detail,
+and so the GPU path can replace capacity planning without touching the loop.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.attention.backend import get_backend
+from kvserve.cache import KVCacheManager, make_kv_cache_groups
+from kvserve.cache.groups import KVCacheGroup, group_size, layer_to_group
+from kvserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from kvserve.model.config import ModelConfig
+from kvserve.model.loaders import build_model, resolve_dtype, resolve_model
+from kvserve.runner.model_runner import KVLayout, ModelRunner, block_bytes
+from kvserve.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# CPU default: room for this many max-length sequences, within this budget.
+CPU_DEFAULT_SEQUENCES = 4
+CPU_DEFAULT_MAX_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineParts:
+    model_config: ModelConfig
+    tokenizer: Any | None
+    scheduler_config: SchedulerConfig
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but CUDA is not available")
+    return dev
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    device = resolve_device(args.device)
+    resolved = resolve_model(args.model, args.load_format, args.hf_overrides)
+    config = resolved.config
+    sched_config = args.scheduler_config(config.max_position_embeddings)
+    cache_config = args.cache_config()
+    groups = make_kv_cache_groups(list(config.layer_specs))
+    dtype = resolve_dtype(args.dtype, device)
+    backend = get_backend(args.attention_backend or default_backend(device))
+    model = build_model(config, backend, layer_to_group(groups), dtype, device)
+    resolved.weights.load_into(model)
+    num_blocks = plan_num_blocks(cache_config, sched_config, config, groups, dtype, device)
+    kv_cache = KVCacheManager(groups, num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+    layout = KVLayout(num_blocks=num_blocks, block_size=cache_config.block_size,
+                      group_size=kv_cache.group_size, num_groups=len(groups),
+                      layer_to_slot=tuple(kv_cache.layer_to_slot), num_kv_heads=config.num_key_value_heads,
+                      head_dim=config.head_dim, dtype=dtype)
+    runner = ModelRunner(model, layout, device, args.seed)
+    logger.info("KV cache: %d blocks x %d tokens, %d group(s): %s", num_blocks, cache_config.block_size,
+                len(groups), ", ".join(g.spec.describe() for g in groups))
+    eos = set(config.eos_token_ids)
+    tokenizer = resolved.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return EngineParts(config, tokenizer, sched_config, kv_cache, Scheduler(sched_config, kv_cache),
+                       runner, frozenset(eos))
+
+
+def default_backend(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            import kvserve.attention.triton_backend  # noqa: F401
+            return "triton"
+        except ImportError:
+            logger.warning("Triton is not importable; using the torch reference attention on CUDA")
+    return "torch"
+
+
+def plan_num_blocks(cache: CacheConfig, sched: SchedulerConfig, config: ModelConfig,
+                    groups: list[KVCacheGroup], dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks for the KV cache: explicit count, explicit memory, or a device default."""
+    per_block = block_bytes(group_size(groups), cache.block_size, config.num_key_value_heads, config.head_dim, dtype)
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory_gb is not None:
+        budget = cache.kv_cache_memory_gb * 1024**3
+    elif device.type == "cuda":
+        budget = _cuda_kv_budget(cache.gpu_memory_utilization)
+    else:
+        budget = _cpu_default_budget(sched, config, per_block, cache.block_size, len(groups))
+    num_blocks = int(budget // per_block)
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache budget ({budget / 1024**3:.3f} GiB) holds {num_blocks} block(s) of "
+                         f"{per_block} bytes; at least 2 are needed")
+    return num_blocks
+
+
+def _cpu_default_budget(sched: SchedulerConfig, config: ModelConfig, per_block: int, block_size: int,
+                        num_groups: int) -> float:
+    blocks_per_seq = num_groups * math.ceil(sched.max_model_len / block_size)
+    wanted = CPU_DEFAULT_SEQUENCES * blocks_per_seq * per_block
+    return max(min(wanted, CPU_DEFAULT_MAX_BYTES), (blocks_per_seq + 1) * per_block)
+
+
+def _cuda_kv_budget(utilization: float) -> float:
+    """What is left of utilization x total memory after weights and a reserve
+    for activations (the GPU path refines this with a profiled peak)."""
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    reserve = 4 * 1024**3
+    budget = total * utilization - used - reserve
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} leaves no room for the KV cache: "
+                         f"{used / 1024**3:.1f} GiB of {total / 1024**3:.1f} GiB already in use")
+    return budget

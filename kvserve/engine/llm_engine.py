@@ -1,0 +1,216 @@
+"""LLMEngine: request intake and validation, the step loop, stop conditions,
+detokenization and metrics. Owns the scheduler and the model runner; knows
+nothing about blocks (the KV cache manager does) or kernels (the backend does).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from kvserve.config import EngineArgs
+from kvserve.engine.builder import EngineParts, build_engine_parts
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.runner.model_runner import StepResult
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        parts: EngineParts = build_engine_parts(args)
+        self.args = args
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.scheduler_config = parts.scheduler_config
+        self.kv_cache = parts.kv_cache
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.eos_token_ids = parts.eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    # -- intake --------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> Request:
+        """Tokenize and validate; raises ValueError naming the limit. Does not enqueue."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        return Request(request_id=request_id or self.new_request_id(), prompt_token_ids=token_ids,
+                       sampling_params=params, prompt=text, eos_token_ids=self.eos_token_ids)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self._forget(request)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        return None, token_ids
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        max_len = self.scheduler_config.max_model_len
+        total = len(token_ids) + params.max_tokens
+        if len(token_ids) >= max_len or total > max_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds max_model_len={max_len}")
+        needed = self.kv_cache.num_blocks_needed(total, self.scheduler_config.max_num_batched_tokens)
+        usable = self.kv_cache.num_usable_blocks
+        if needed > usable:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                             f"{needed} KV blocks but the whole cache has {usable}; raise num_kv_blocks "
+                             f"or kv_cache_memory_gb, or shorten the request")
+
+    # -- the step loop -----------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that got a new token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        start = time.monotonic()
+        block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
+        result = self.runner.execute(out, block_ids)
+        self.scheduler.update_after_step(out)
+        self.stats.record_step(out, time.monotonic() - start)
+        return self._process(result)
+
+    def _process(self, result: StepResult) -> list[Request]:
+        now = time.monotonic()
+        touched = []
+        for i, item in enumerate(result.rows):
+            request = item.request
+            self._append_token(request, result, i, now)
+            status = self._check_stop(request)
+            if status is not None:
+                self.scheduler.remove_finished(request, status)
+                self.stats.record_finished(request)
+                self._forget(request)
+            touched.append(request)
+        return touched
+
+    def _append_token(self, request: Request, result: StepResult, i: int, now: float) -> None:
+        token = result.sampled.token_ids[i]
+        request.output_token_ids.append(token)
+        request.cumulative_logprob += result.sampled.sampled_logprobs[i]
+        if request.sampling_params.logprobs is not None:
+            request.logprobs.append(result.sampled.logprobs[i])
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self.stats.record_token(request, now)
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params, token = request.sampling_params, request.output_token_ids[-1]
+        if not params.ignore_eos and token in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_strings and self._hit_stop_string(request):
+            return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.scheduler_config.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = self.detokenize(request.output_token_ids)
+        for stop in request.sampling_params.stop_strings:
+            at = text.find(stop)
+            if at >= 0:
+                request.output_text, request.stop_reason = text[:at], stop
+                return True
+        return False
+
+    def _forget(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        self.runner.sampler.forget(request.request_id)
+
+    # -- outputs -------------------------------------------------------------------
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def make_output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        text = request.output_text if request.stop_reason is not None and isinstance(
+            request.stop_reason, str) else self.detokenize(request.output_token_ids)
+        finish_reason = request.status.value if finished else None
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
+            finish_reason=finish_reason, stop_reason=request.stop_reason)
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                                 request.first_token_time, request.finished_time, request.num_preemptions)
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                             max(request.num_cached_tokens, 0), [completion], finished, metrics)
+
+    def get_metrics(self) -> dict[str, Any]:
+        kv = self.kv_cache
+        return {
+            "kv_cache_usage_perc": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "kv_cache_evictions": kv.num_evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_fragmentation": kv.fragmentation(),
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            **self.stats.as_dict(),
+        }
+
+
+class EngineStats:
+    """Cumulative counters the metrics exporters read; never reset."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_prompt_tokens = 0      # computed prompt tokens (recomputation included)
+        self.num_generation_tokens = 0
+        self.num_finished = 0
+        self.prefill_time_s = 0.0
+        self.step_time_s = 0.0
+
+    def record_step(self, out, seconds: float) -> None:
+        self.num_steps += 1
+        self.step_time_s += seconds
+        if any(s.num_new_tokens > 1 for s in out.scheduled):
+            self.prefill_time_s += seconds
+        self.num_prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+
+    def record_token(self, request: Request, now: float) -> None:
+        self.num_generation_tokens += 1
+
+    def record_finished(self, request: Request) -> None:
+        self.num_finished += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "num_generation_tokens": self.num_generation_tokens,
+                "num_requests_finished": self.num_finished, "prefill_time_s": self.prefill_time_s}

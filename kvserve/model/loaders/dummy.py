@@ -1,0 +1,86 @@
+"""Dummy (random, seeded) weights of named real or tiny shapes, like vLLM's
+`load_format="dummy"`: benchmarks on real shapes without a checkpoint.
+
+Weights are drawn directly on the model's device, so an 8B model never
+passes through host memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.loaders.base import ResolvedModel, register_loader
+
+if TYPE_CHECKING:
+    from kvserve.model.llama import LlamaForCausalLM
+
+PREFIX = "dummy:"
+DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-8B config.json shapes.
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+    # meta-llama/Llama-3.1-8B-Instruct shapes (same as Llama-3-8B plus llama3 RoPE).
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 1},
+    "tiny-qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 512,
+        "use_sliding_window": True, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "tie_word_embeddings": False, "eos_token_id": 1},
+}
+
+
+@dataclass(frozen=True)
+class DummyWeights:
+    seed: int = 0
+    std: float = 0.02
+
+    @torch.no_grad()
+    def load_into(self, model: "LlamaForCausalLM") -> None:
+        """Normal(0, std) matrices, zero biases, unit norm weights."""
+        for name, param in model.named_parameters():
+            generator = torch.Generator(device=param.device).manual_seed(
+                self.seed + _stable_hash(name))
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, self.std, generator=generator)
+
+
+def _stable_hash(name: str) -> int:
+    """Per-parameter seed offset independent of PYTHONHASHSEED."""
+    return sum((i + 1) * ord(c) for i, c in enumerate(name)) % (2 ** 31)
+
+
+@register_loader("dummy")
+def resolve_dummy(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedModel:
+    shape = model.removeprefix(PREFIX)
+    if shape not in DUMMY_CONFIGS:
+        raise ValueError(f"unknown dummy model {model!r}; available: "
+                         f"{', '.join(PREFIX + name for name in DUMMY_CONFIGS)}")
+    config = ModelConfig.from_hf_config(DUMMY_CONFIGS[shape], hf_overrides)
+    return ResolvedModel(name=model, load_format="dummy", config=config,
+                         weights=DummyWeights(), tokenizer=None)

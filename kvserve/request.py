@@ -1,0 +1,83 @@
+"""The one request-state class the scheduler, cache and engine share.
+
+Lengths are derived, never phase flags: a request is "prefilling" exactly while
+`num_computed_tokens < num_tokens - 1`... more precisely while it has tokens
+whose KV is not yet computed. Chunked prefill, prefix hits and preemption by
+recompute all reduce to moving `num_computed_tokens`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    # KV for all_token_ids[:num_computed_tokens] is in the cache.
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: int = -1
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # Chained hashes of the full blocks of all_token_ids; owned and extended by
+    # the KV cache manager.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Sampling bookkeeping.
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Detokenized text so far (engine-owned, used for stop strings).
+    output_text: str = ""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Upper bound on the tokens this request can ever hold KV for."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,72 @@
+"""The model runner: owns the model, the KV cache tensors and the sampler,
+and turns one `SchedulerOutput` into sampled tokens.
+
+KV memory layout: the cache has `group_size` tensors of shape
+[2, num_blocks, block_size, num_kv_heads, head_dim]; layer j of every KV group
+uses tensor j. One block id therefore means "these slots in group g's layers",
+and blocks move freely between groups (see `cache/kv_cache_manager.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.runner.batch import ModelInputs, prepare_inputs
+from kvserve.runner.sampler import Sampler, SamplerOutput
+from kvserve.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_blocks: int
+    block_size: int
+    group_size: int
+    num_groups: int
+    layer_to_slot: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return block_bytes(self.group_size, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+
+def block_bytes(group_size: int, block_size: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> int:
+    return 2 * group_size * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens for the requests whose last known token was computed."""
+    rows: list[ScheduledRequest]
+    sampled: SamplerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int) -> None:
+        self.model = model
+        self.layout = layout
+        self.device = device
+        self.sampler = Sampler(seed, device)
+        self.kv_caches = [torch.zeros(2, layout.num_blocks, layout.block_size, layout.num_kv_heads,
+                                      layout.head_dim, dtype=layout.dtype, device=device)
+                          for _ in range(layout.group_size)]
+        model.bind_kv_caches([self.kv_caches[slot] for slot in layout.layer_to_slot])
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_ids: list[list[list[int]]]) -> StepResult:
+        inputs = prepare_inputs(out.scheduled, block_ids, self.layout.block_size,
+                                self.layout.num_groups, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self._sample(inputs, hidden)
+
+    def _sample(self, inputs: ModelInputs, hidden: torch.Tensor) -> StepResult:
+        if not inputs.sampling_rows:
+            return StepResult([], SamplerOutput([], [], []))
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        params = [s.request.sampling_params for s in inputs.sampling_rows]
+        ids = [s.request.request_id for s in inputs.sampling_rows]
+        return StepResult(inputs.sampling_rows, self.sampler.sample(logits, params, ids))

@@ -1,0 +1,103 @@
+"""Token sampling on the logits' device: greedy, temperature, top-k, top-p,
+min-p, per-request seeds, and logprobs. One host transfer of ids per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: logprob of the sampled token and the top-n alternatives (or None).
+    logprobs: list[dict[int, float] | None]
+    sampled_logprobs: list[float]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        # Seeded requests own a generator so their samples do not depend on
+        # what else shares the batch.
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               request_ids: list[str]) -> SamplerOutput:
+        logits = logits.float()
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        if all(p.is_greedy for p in params):
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = self._sample_mixed(logits, params, request_ids)
+        return self._pack(ids, logprobs_all, params)
+
+    def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
+                      request_ids: list[str]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
+                             device=logits.device).unsqueeze(1)
+        probs = torch.softmax(_filter_logits(logits / temps, params), dim=-1)
+        ids = torch.empty_like(greedy)
+        for i, (p, rid) in enumerate(zip(params, request_ids)):
+            if p.is_greedy:
+                ids[i] = greedy[i]
+            else:
+                ids[i] = torch.multinomial(probs[i], 1, generator=self._generator_for(p, rid))[0]
+        return ids
+
+    def _generator_for(self, params: SamplingParams, request_id: str) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        gen = self._request_generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self._request_generators[request_id] = gen
+        return gen
+
+    def _pack(self, ids: torch.Tensor, logprobs_all: torch.Tensor,
+              params: list[SamplingParams]) -> SamplerOutput:
+        want = max((p.logprobs or 0) for p in params)
+        sampled_lp = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
+        if want:
+            top_lp, top_ids = logprobs_all.topk(want, dim=-1)
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        ids_list, sampled_list = ids.tolist(), sampled_lp.tolist()
+        logprobs: list[dict[int, float] | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                logprobs.append(None)
+                continue
+            entry = {ids_list[i]: sampled_list[i]}
+            for tid, lp in zip(top_ids[i][:p.logprobs], top_lp[i][:p.logprobs]) if want else ():
+                entry.setdefault(tid, lp)
+            logprobs.append(entry)
+        return SamplerOutput(ids_list, logprobs, sampled_list)
+
+
+def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply top-k, top-p and min-p per row (rows not asking are untouched)."""
+    neg_inf = torch.finfo(logits.dtype).min
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop |= sorted_probs < (min_p.unsqueeze(1) * sorted_probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)

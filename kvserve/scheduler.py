@@ -1,0 +1,148 @@
+"""The token-budget scheduler.
+
+Scheduling is in tokens, not phases: every step, each scheduled request's
+`num_computed_tokens` moves toward `num_tokens`. A decode is a request one
+token behind, a prefill chunk is one many tokens behind, a prefix hit starts
+it further along, and preemption by recompute sets it back to zero. The
+scheduler reaches the KV cache only through `KVCacheManager`.
+
+Policy: running requests first (oldest first), then waiting ones first come
+first served. When blocks run out, the most recently admitted running request
+is preempted, so the oldest always progresses and is never starved.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.config import SchedulerConfig
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # num_computed_tokens before this step: the batch's first position.
+    start_pos: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step computes the last known token, so it samples."""
+        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is and free all its blocks."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.finish(request, RequestStatus.FINISHED_ABORTED)
+                    return request
+        return None
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv_cache.free(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # `request` itself was preempted; everything after it too.
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed):
+                break  # First come first served: nobody overtakes the head.
+            self.kv_cache.record_prefix_lookup(request, num_hit)
+            self.waiting.popleft()
+            self._admit(request, num_hit)
+            out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
+            budget -= num_new
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed tokens for what the forward pass just wrote."""
+        for item in out.scheduled:
+            item.request.num_computed_tokens = item.start_pos + item.num_new_tokens
+
+    def remove_finished(self, request: Request, status: RequestStatus) -> None:
+        self.running.remove(request)
+        self.finish(request, status)
