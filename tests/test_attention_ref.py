@@ -2,6 +2,7 @@
 from contiguous K/V (no paging, no SDPA), over mixed prefill/decode batches."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -84,15 +85,24 @@ def _metadata(seqs, block_size, tables, slots) -> AttentionMetadata:
         query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
 
 
+def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
+    return dataclasses.replace(
+        meta, query_start_loc=meta.query_start_loc.to(device), seq_lens=meta.seq_lens.to(device),
+        block_tables=[t.to(device) for t in meta.block_tables],
+        slot_mappings=[s.to(device) for s in meta.slot_mappings])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decode"])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 64])
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
-def test_matches_bruteforce(seqs, block_size, spec):
+def test_matches_bruteforce(seqs, block_size, spec, device):
     gen = torch.Generator().manual_seed(block_size)
     meta, kv_cache, q, k, v, full_kv = _build_batch(seqs, spec, block_size, gen)
     layer = AttentionLayerInfo(layer_idx=0, group_id=0, spec=spec, num_heads=H,
                                num_kv_heads=KVH, head_dim=D, scale=D ** -0.5)
-    out = get_backend("torch").forward(q, k, v, kv_cache, layer, meta)
+    out = get_backend("torch").forward(q.to(device), k.to(device), v.to(device),
+                                       kv_cache.to(device), layer, _to(meta, device)).cpu()
     assert out.shape == (meta.num_tokens, H, D)
     start = 0
     for (computed, new), (keys, values) in zip(seqs, full_kv):

@@ -9,7 +9,8 @@ backend plugs in without the scheduler or cache knowing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ class AttentionMetadata:
     # Host copies, for backends that loop on the host (the torch reference).
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Derived per-batch tensors a backend computes once and reuses in every
+    # layer (masks, gather indices), keyed by whatever the backend needs.
+    scratch: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def is_decode_only(self) -> bool:

@@ -24,19 +24,13 @@ class TorchReferenceBackend:
                 kv_cache: torch.Tensor, layer: AttentionLayerInfo,
                 meta: AttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mappings[layer.group_id])
-        block_table = meta.block_tables[layer.group_id]
-        keys, values = gather_kv(kv_cache, block_table, meta.max_seq_len)
-        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        mask = build_mask(layer, meta.seq_lens, query_lens,
-                          meta.max_query_len, keys.shape[1])
+        keys, values = gather_kv(kv_cache, meta.block_tables[layer.group_id], meta.max_seq_len)
+        mask, key_visible, seq_idx, q_idx = _batch_layout(layer, meta, keys.shape[1])
         # Keys no query may see can come from the NULL block or from slots past
         # the sequence end (garbage, possibly NaN); a NaN score or value poisons
         # the output even when masked, so zero them rather than only mask them.
-        key_visible = mask.any(dim=1)
         keys = keys.masked_fill(~key_visible[:, :, None, None], 0)
         values = values.masked_fill(~key_visible[:, :, None, None], 0)
-        mask = _open_padding_rows(mask, key_visible, query_lens)
-        seq_idx, q_idx = _token_coordinates(meta, query_lens)
         q_pad = _pad_queries(q, meta, seq_idx, q_idx)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -48,12 +42,28 @@ class TorchReferenceBackend:
         return out[seq_idx, q_idx]
 
 
+def _batch_layout(layer: AttentionLayerInfo, meta: AttentionMetadata, num_keys: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mask, visible keys and token coordinates: the same for every layer of a
+    group, so computed once per batch and kept in `meta.scratch`."""
+    key = ("torch_ref", layer.group_id, layer.spec, num_keys)
+    if key not in meta.scratch:
+        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        mask = build_mask(layer, meta.seq_lens, query_lens, meta.max_query_len, num_keys)
+        key_visible = mask.any(dim=1)
+        mask = _open_padding_rows(mask, key_visible, query_lens)
+        seq_idx, q_idx = _token_coordinates(meta, query_lens)
+        meta.scratch[key] = (mask, key_visible, seq_idx, q_idx)
+    return meta.scratch[key]
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store each token's k/v at its flat slot (block_id * block_size + offset)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    slot_mapping = slot_mapping.long()  # index_copy_ takes int64 only
     key_cache.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     value_cache.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 

@@ -83,7 +83,7 @@ def _decode_split_kernel(
 
     has_keys = l_i > 0  # an empty split (past this sequence's end) merges as weight 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(l_i), float("-inf"))
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
              mask=row_valid[:, None])
@@ -169,5 +169,5 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
         num_splits, NUM_HEADS=num_heads,
-        SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+        SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
     return out

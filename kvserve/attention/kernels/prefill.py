@@ -21,10 +21,12 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class PrefillConfig:
+    # Fastest of four on an H200 (benchmarks/kernel_notes.md): 300 vs 269
+    # TFLOP/s for (128, 64, 8 warps, 3 stages).
     block_m: int = 128   # query rows (tokens x heads of one GQA group)
-    block_n: int = 64    # keys per tile
-    num_warps: int = 8
-    num_stages: int = 3
+    block_n: int = 32    # keys per tile
+    num_warps: int = 4
+    num_stages: int = 4
 
 
 @triton.jit
