@@ -1,8 +1,7 @@
 """The one request-state class the scheduler, cache and engine share.
 
 Lengths are derived, never phase flags: a request is "prefilling" exactly while
-`num_computed_tokens < num_tokens - 1`... more precisely while it has tokens
-whose KV is not yet computed. Chunked prefill, prefix hits and preemption by
+it has more than one token whose KV is not yet computed. Chunked prefill, prefix hits and preemption by
 recompute all reduce to moving `num_computed_tokens`.
 """
 from __future__ import annotations
@@ -60,6 +59,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (hot path)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def num_prompt_tokens(self) -> int:

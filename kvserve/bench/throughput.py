@@ -77,17 +77,48 @@ def run_throughput_cli(a: argparse.Namespace) -> int:
     from kvserve.cli import engine_kwargs
     from kvserve.entrypoints.llm import LLM
     llm = LLM(**engine_kwargs(a))
-    vocab = llm.engine.model_config.vocab_size
-    num_prompts = 1 if a.latency else a.num_prompts
-    prompts = random_prompts(num_prompts, a.input_len, vocab, seed=a.seed)
-    results = [run_kvserve(llm, prompts, a.output_len)]
+    engine = llm.engine
+    num_prompts, input_len, output_len = (1, 128, 256) if a.latency else (a.num_prompts, a.input_len, a.output_len)
+    prompts = random_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed=a.seed)
+    results = [run_kvserve(llm, prompts, output_len)]
+    device, dtype = engine.runner.device, engine.runner.layout.dtype
+    max_model_len = engine.scheduler_config.max_model_len
+    num_params = sum(p.numel() for p in engine.runner.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    del llm, engine
+    results += _baselines(a, prompts, output_len, device, dtype, max_model_len)
+    print(f"workload: {num_prompts} prompts x {input_len} in / {output_len} out, model={a.model or 'embedded'}")
+    print(format_table(results))
+    if device.type == "cuda":
+        print(format_limits(results, num_params, weight_bytes, device))
+    return 0
+
+
+def _baselines(a: argparse.Namespace, prompts: list[list[int]], output_len: int, device: torch.device,
+               dtype: torch.dtype, max_model_len: int) -> list[ThroughputResult]:
     if a.baseline == "hf":
         from kvserve.bench.hf_baseline import run_hf_generate
-        device, dtype = llm.engine.runner.device, llm.engine.runner.layout.dtype
-        del llm
-        results.append(run_hf_generate(a.model, prompts, a.output_len, device, dtype, a.load_format))
-    elif a.baseline == "vllm":
-        raise ValueError("--baseline vllm needs the vLLM bundle on a GPU machine (see docs/BENCHMARKS.md)")
-    print(f"workload: {num_prompts} prompts x {a.input_len} in / {a.output_len} out, model={a.model or 'embedded'}")
-    print(format_table(results))
-    return 0
+        return [run_hf_generate(a.model, prompts, output_len, device, dtype, a.load_format)]
+    if a.baseline == "vllm":
+        from kvserve.bench.vllm_baseline import run_vllm_generate
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [run_vllm_generate(a.model, prompts, output_len, max_model_len, a.gpu_memory_utilization)]
+    return []
+
+
+def format_limits(results: list[ThroughputResult], num_params: int, weight_bytes: int,
+                  device: torch.device) -> str:
+    """MFU against the measured bf16 matmul rate; ms/token against the weight-read floor."""
+    from kvserve.bench.device_limits import measure_device_limits
+    limits = measure_device_limits(device)
+    rows = [f"device limits (measured): bf16 matmul {limits.matmul_flops / 1e12:.0f} TFLOP/s, "
+            f"copy {limits.copy_bytes_per_s / 1e9:.0f} GB/s (read+write)"]
+    floor_ms = weight_bytes / limits.copy_bytes_per_s * 1e3
+    for r in results:
+        tokens = r.num_prompts * (r.input_len + r.output_len)
+        mfu = tokens * 2 * num_params / r.elapsed_s / limits.matmul_flops
+        ms_per_token = r.elapsed_s / r.output_len * 1e3
+        rows.append(f"{r.engine:<16} MFU {mfu:6.1%}   {ms_per_token:7.2f} ms/step "
+                    f"(weight-read floor {floor_ms:.2f} ms, {floor_ms / ms_per_token:5.1%} of floor speed)")
+    return "\n".join(rows)

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from kvserve.attention.backend import get_backend
 from kvserve.cache import KVCacheManager, make_kv_cache_groups
-from kvserve.cache.groups import KVCacheGroup, group_size, layer_to_group
+from kvserve.cache.groups import group_size, layer_to_group, layer_to_slot
 from kvserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders import build_model, resolve_dtype, resolve_model
-from kvserve.runner.model_runner import KVLayout, ModelRunner, block_bytes
+from kvserve.runner.memory import kv_budget_bytes, profile_peak_bytes
+from kvserve.runner.model_runner import KVLayout, ModelRunner
 from kvserve.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,16 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     backend = get_backend(args.attention_backend or default_backend(device))
     model = build_model(config, backend, layer_to_group(groups), dtype, device)
     resolved.weights.load_into(model)
-    num_blocks = plan_num_blocks(cache_config, sched_config, config, groups, dtype, device)
+    layout = KVLayout(num_blocks=2, block_size=cache_config.block_size, group_size=group_size(groups),
+                      num_groups=len(groups), layer_to_slot=tuple(layer_to_slot(groups)),
+                      num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype)
+    num_blocks = plan_num_blocks(cache_config, sched_config, model, layout, device)
+    layout = replace(layout, num_blocks=num_blocks)
     kv_cache = KVCacheManager(groups, num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-    layout = KVLayout(num_blocks=num_blocks, block_size=cache_config.block_size,
-                      group_size=kv_cache.group_size, num_groups=len(groups),
-                      layer_to_slot=tuple(kv_cache.layer_to_slot), num_kv_heads=config.num_key_value_heads,
-                      head_dim=config.head_dim, dtype=dtype)
+    _check_one_request_fits(kv_cache, sched_config)
     runner = ModelRunner(model, layout, device, args.seed)
+    if device.type == "cuda" and not args.enforce_eager:
+        runner.capture_decode_graphs(sched_config.max_model_len, sched_config.max_num_seqs)
     logger.info("KV cache: %d blocks x %d tokens, %d group(s): %s", num_blocks, cache_config.block_size,
                 len(groups), ", ".join(g.spec.describe() for g in groups))
     eos = set(config.eos_token_ids)
@@ -86,18 +90,20 @@ def default_backend(device: torch.device) -> str:
     return "torch"
 
 
-def plan_num_blocks(cache: CacheConfig, sched: SchedulerConfig, config: ModelConfig,
-                    groups: list[KVCacheGroup], dtype: torch.dtype, device: torch.device) -> int:
+def plan_num_blocks(cache: CacheConfig, sched: SchedulerConfig, model: torch.nn.Module, layout: KVLayout,
+                    device: torch.device) -> int:
     """Blocks for the KV cache: explicit count, explicit memory, or a device default."""
-    per_block = block_bytes(group_size(groups), cache.block_size, config.num_key_value_heads, config.head_dim, dtype)
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
+    per_block = layout.bytes_per_block
     if cache.kv_cache_memory_gb is not None:
         budget = cache.kv_cache_memory_gb * 1024**3
     elif device.type == "cuda":
-        budget = _cuda_kv_budget(cache.gpu_memory_utilization)
+        peak = profile_peak_bytes(model, layout, sched.max_num_batched_tokens, sched.max_model_len,
+                                  sched.max_num_seqs, device)
+        budget = kv_budget_bytes(cache.gpu_memory_utilization, peak, device)
     else:
-        budget = _cpu_default_budget(sched, config, per_block, cache.block_size, len(groups))
+        budget = _cpu_default_budget(sched, per_block, cache.block_size, layout.num_groups)
     num_blocks = int(budget // per_block)
     if num_blocks < 2:
         raise ValueError(f"the KV cache budget ({budget / 1024**3:.3f} GiB) holds {num_blocks} block(s) of "
@@ -105,21 +111,15 @@ def plan_num_blocks(cache: CacheConfig, sched: SchedulerConfig, config: ModelCon
     return num_blocks
 
 
-def _cpu_default_budget(sched: SchedulerConfig, config: ModelConfig, per_block: int, block_size: int,
-                        num_groups: int) -> float:
+def _check_one_request_fits(kv_cache: KVCacheManager, sched: SchedulerConfig) -> None:
+    needed = kv_cache.num_blocks_needed(sched.max_model_len, sched.max_num_batched_tokens)
+    if needed > kv_cache.num_usable_blocks:
+        raise ValueError(f"max_model_len={sched.max_model_len} needs {needed} KV blocks per request but the "
+                         f"cache holds {kv_cache.num_usable_blocks}; lower max_model_len or give the KV cache "
+                         f"more memory (num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization)")
+
+
+def _cpu_default_budget(sched: SchedulerConfig, per_block: int, block_size: int, num_groups: int) -> float:
     blocks_per_seq = num_groups * math.ceil(sched.max_model_len / block_size)
     wanted = CPU_DEFAULT_SEQUENCES * blocks_per_seq * per_block
     return max(min(wanted, CPU_DEFAULT_MAX_BYTES), (blocks_per_seq + 1) * per_block)
-
-
-def _cuda_kv_budget(utilization: float) -> float:
-    """What is left of utilization x total memory after weights and a reserve
-    for activations (the GPU path refines this with a profiled peak)."""
-    free, total = torch.cuda.mem_get_info()
-    used = total - free
-    reserve = 4 * 1024**3
-    budget = total * utilization - used - reserve
-    if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization={utilization} leaves no room for the KV cache: "
-                         f"{used / 1024**3:.1f} GiB of {total / 1024**3:.1f} GiB already in use")
-    return budget

@@ -1,8 +1,8 @@
 """Batch preparation: scheduled requests -> flat input tensors + attention metadata.
 
-Everything is built on the host in a few vectorized ops and moved to the
-device once per tensor; slot mappings are derived from block tables on the
-device, so there is no per-token Python loop.
+The host side is a few list walks and one `torch.tensor` per array; each array
+moves to the device once (pinned, non-blocking on CUDA), and slot mappings are
+derived from block tables on the device, so there is no per-token Python loop.
 """
 from __future__ import annotations
 
@@ -22,41 +22,82 @@ class ModelInputs:
     # Row of the hidden states to sample from, one per sampling request.
     logits_indices: torch.Tensor
     sampling_rows: list[ScheduledRequest]
+    host: "HostBatch"
 
 
-def prepare_inputs(scheduled: list[ScheduledRequest], block_ids: list[list[list[int]]],
-                   block_size: int, num_groups: int, device: torch.device) -> ModelInputs:
+@dataclass
+class HostBatch:
+    """The batch as host tensors, before any device transfer."""
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor         # [B] int32
+    block_tables: list[torch.Tensor]  # per group [B, W] int32
+    seq_idx: torch.Tensor          # [T] sequence of each token
+    query_lens: list[int]
+    seq_lens_list: list[int]
+
+
+def build_host_batch(scheduled: list[ScheduledRequest], block_ids: list[list[list[int]]],
+                     num_groups: int) -> HostBatch:
     """block_ids[i][g] is request i's block table for KV group g."""
     query_lens = [s.num_new_tokens for s in scheduled]
     seq_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
     tokens: list[int] = []
     for s in scheduled:
-        tokens.extend(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens])
+        tokens.extend(s.request.token_ids_between(s.start_pos, s.start_pos + s.num_new_tokens))
     q_lens = torch.tensor(query_lens, dtype=torch.int32)
     query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
     torch.cumsum(q_lens, 0, out=query_start_loc[1:])
     seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)
     starts = torch.tensor([s.start_pos for s in scheduled], dtype=torch.int64)
     positions = starts[seq_idx] + (torch.arange(len(tokens)) - query_start_loc[:-1].long()[seq_idx])
-    tables = [_pad_tables([ids[g] for ids in block_ids]) for g in range(num_groups)]
-    slots = [tbl[seq_idx, positions // block_size].long() * block_size + positions % block_size
-             for tbl in tables]
-    last = query_start_loc[1:].long() - 1
+    tables = [pad_tables([ids[g] for ids in block_ids]) for g in range(num_groups)]
+    return HostBatch(torch.tensor(tokens, dtype=torch.long), positions, query_start_loc,
+                     torch.tensor(seq_lens, dtype=torch.int32), tables, seq_idx, query_lens, seq_lens)
+
+
+def prepare_inputs(scheduled: list[ScheduledRequest], block_ids: list[list[list[int]]],
+                   block_size: int, num_groups: int, device: torch.device) -> ModelInputs:
+    return to_model_inputs(build_host_batch(scheduled, block_ids, num_groups), scheduled, block_size, device)
+
+
+def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
+                    device: torch.device) -> ModelInputs:
+    to = _mover(device)
+    seq_idx, positions = to(host.seq_idx), to(host.positions)
+    tables = [to(t) for t in host.block_tables]
+    slots = [slot_mapping(t, seq_idx, positions, block_size) for t in tables]
     rows = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+    last = host.query_start_loc[1:].long() - 1
     meta = AttentionMetadata(
-        num_seqs=len(scheduled), num_tokens=len(tokens), block_size=block_size,
-        query_start_loc=query_start_loc.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=[t.to(device) for t in tables], slot_mappings=[s.to(device) for s in slots],
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-    return ModelInputs(
-        input_ids=torch.tensor(tokens, dtype=torch.long).to(device), positions=positions.to(device),
-        meta=meta, logits_indices=last[rows].to(device), sampling_rows=[scheduled[i] for i in rows])
+        num_seqs=len(scheduled), num_tokens=len(host.input_ids), block_size=block_size,
+        query_start_loc=to(host.query_start_loc), seq_lens=to(host.seq_lens),
+        block_tables=tables, slot_mappings=slots,
+        max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens_list),
+        query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens_list)
+    return ModelInputs(input_ids=to(host.input_ids), positions=positions, meta=meta,
+                       logits_indices=to(last[rows]), sampling_rows=[scheduled[i] for i in rows],
+                       host=host)
 
 
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
+def slot_mapping(table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Flat cache slot of each token: its block's id * block_size + offset."""
+    return table[seq_idx, positions // block_size].long() * block_size + positions % block_size
+
+
+def pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """Rows padded with the null block 0 to a common width, in one tensor call."""
+    width = max(max(len(t) for t in tables), 1) if width is None else width
+    flat: list[int] = []
+    for t in tables:
+        flat.extend(t)
+        flat.extend([0] * (width - len(t)))
+    return torch.tensor(flat, dtype=torch.int32).view(len(tables), width)
+
+
+def _mover(device: torch.device):
+    if device.type != "cuda":
+        return lambda t: t.to(device)
+    return lambda t: t.pin_memory().to(device, non_blocking=True)

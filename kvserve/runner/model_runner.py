@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.runner.batch import ModelInputs, prepare_inputs
+from kvserve.runner.cuda_graph import DecodeGraphs
 from kvserve.runner.sampler import Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -55,13 +56,28 @@ class ModelRunner:
                                       layout.head_dim, dtype=layout.dtype, device=device)
                           for _ in range(layout.group_size)]
         model.bind_kv_caches([self.kv_caches[slot] for slot in layout.layer_to_slot])
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """CUDA graphs for decode batches (CUDA only; `enforce_eager` skips this)."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.graphs = DecodeGraphs(self.model, self.layout.num_groups, self.layout.block_size,
+                                   max_model_len, max_num_seqs, self.device)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids: list[list[list[int]]]) -> StepResult:
         inputs = prepare_inputs(out.scheduled, block_ids, self.layout.block_size,
                                 self.layout.num_groups, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self._sample(inputs, hidden)
+        return self._sample(inputs, self._forward(inputs))
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        meta = inputs.meta
+        if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(meta.num_seqs):
+            return self.graphs.run(inputs.host, meta.block_tables, meta.slot_mappings,
+                                   inputs.input_ids, inputs.positions, meta.seq_lens)
+        return self.model(inputs.input_ids, inputs.positions, meta)
 
     def _sample(self, inputs: ModelInputs, hidden: torch.Tensor) -> StepResult:
         if not inputs.sampling_rows:

@@ -11,6 +11,13 @@ import triton
 import triton.language as tl
 
 
+def dot_precision(dtype) -> str:
+    """float32 caches get exact (ieee) dots, so fp32 runs match a float32
+    reference token for token; half types use the tensor cores as they are."""
+    import torch
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def visible_range(first_pos, window, sink, SLIDING: tl.constexpr):
     """(lo, sink_end) for a query tile whose earliest query is at first_pos."""

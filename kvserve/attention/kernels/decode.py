@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import page_offsets, visible_range
+from kvserve.attention.kernels.common import dot_precision, page_offsets, visible_range
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -39,6 +39,7 @@ def _decode_split_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_head, num_splits,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,7 +71,7 @@ def _decode_split_kernel(
             stride_cache_offset, kv_head_offset, PAGE_SIZE)
         k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
                     mask=key_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(key_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -78,7 +79,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
                     mask=key_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0  # an empty split (past this sequence's end) merges as weight 0
@@ -164,7 +165,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
         NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=kv_cache.shape[2], BLOCK_N=config.block_n,
-        SLIDING=window is not None,
+        SLIDING=window is not None, DOT_PRECISION=dot_precision(kv_cache.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import page_offsets, visible_range
+from kvserve.attention.kernels.common import dot_precision, page_offsets, visible_range
 
 LOG2E = 1.4426950408889634
 
@@ -37,6 +37,7 @@ def _prefill_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -75,7 +76,7 @@ def _prefill_kernel(
             stride_cache_offset, kv_head_offset, PAGE_SIZE)
         k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
                     mask=key_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = key_valid[None, :] & (key[None, :] <= q_pos[:, None])
         if SLIDING:
             visible &= ((q_pos[:, None] - key[None, :]) < window) | (key[None, :] < sink)
@@ -86,7 +87,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
                     mask=key_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -116,5 +117,6 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
+        DOT_PRECISION=dot_precision(kv_cache.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

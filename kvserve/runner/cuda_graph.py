@@ -1,0 +1,102 @@
+"""CUDA graphs for decode steps.
+
+Rules (SPEC; vLLM PR 41665): decode only; static input buffers; the largest
+batch is captured first and all graphs share one memory pool; a batch is
+padded to the next captured size; and nothing a graph reads is set up by a
+branch that might be skipped at capture: every static buffer is fully
+rewritten (real rows and padding rows) before every replay, and the captured
+attention grid is planned for `max_model_len`, so no launch shape depends on
+the batch being replayed.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.runner.batch import HostBatch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to min(max_num_seqs, 512)."""
+    limit = min(max_num_seqs, 512)
+    sizes = [s for s in (1, 2, 4, 8) if s <= limit]
+    sizes += list(range(16, limit + 1, 8))
+    if limit not in sizes:
+        sizes.append(limit)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, num_groups: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        width = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = [torch.zeros(n, width, dtype=torch.int32, device=device) for _ in range(num_groups)]
+        # Padding rows write their (unused) K/V into the null block's slot 0.
+        self.slot_mappings = [torch.zeros(n, dtype=torch.long, device=device) for _ in range(num_groups)]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_seqs=size, num_tokens=size, block_size=self.block_size,
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            block_tables=[t[:size] for t in self.block_tables],
+            slot_mappings=[s[:size] for s in self.slot_mappings],
+            max_query_len=1, max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):  # largest first: later graphs reuse its pool
+            run = lambda: self.model(self.input_ids[:size], self.positions[:size], self._meta(size))  # noqa: E731
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()  # warm-up: Triton compiles and autotunes outside capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[size] = run()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d)", len(self.sizes),
+                    self.sizes[0], self.sizes[-1])
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def run(self, host: HostBatch, device_tables: list[torch.Tensor], slots: list[torch.Tensor],
+            input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Replay for a decode batch; every static buffer row up to the padded size is rewritten."""
+        n = len(host.query_lens)
+        size = self.padded_size(n)
+        self.input_ids[:n].copy_(input_ids)
+        self.input_ids[n:size].zero_()
+        self.positions[:n].copy_(positions)
+        self.positions[n:size].zero_()
+        self.seq_lens[:n].copy_(seq_lens)
+        self.seq_lens[n:size].fill_(1)
+        for static, table, static_slots, slot in zip(self.block_tables, device_tables, self.slot_mappings, slots):
+            static[:n, :table.shape[1]].copy_(table)
+            static[:n, table.shape[1]:].zero_()
+            static[n:size].zero_()
+            static_slots[:n].copy_(slot)
+            static_slots[n:size].zero_()
+        self.graphs[size].replay()
+        return self.outputs[size][:n]

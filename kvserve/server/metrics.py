@@ -1,0 +1,112 @@
+"""Prometheus metrics of one server, vLLM-style names under `kvserve:`.
+
+Gauges and counters are read from a snapshot of `LLMEngine.get_metrics()`
+that the engine thread publishes after every step, so a scrape never touches
+the engine. Counters come from the engine's cumulative counts (exact and
+monotonic). Histograms are observed by the engine thread: inter-token
+latency per token, the rest once per finished request from its timestamps.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+# snapshot key -> (metric name, help); gauges then counters.
+GAUGES = {
+    "kv_cache_usage_perc": ("kvserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
+    "kv_cache_fragmentation": ("kvserve:kv_cache_fragmentation",
+                               "Share of slots in held KV blocks that hold no token (0-1)."),
+    "num_requests_running": ("kvserve:num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("kvserve:num_requests_waiting", "Requests waiting to be scheduled."),
+}
+COUNTERS = {
+    "prefix_cache_queries": ("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("kvserve:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    "kv_cache_evictions": ("kvserve:kv_cache_evictions",
+                           "Cached blocks evicted to make room for new allocations."),
+    "num_preemptions": ("kvserve:num_preemptions", "Requests preempted (KV freed, recomputed later)."),
+    "num_generation_tokens": ("kvserve:generation_tokens", "Tokens generated."),
+}
+
+
+class ServerMetrics:
+    def __init__(self, cache_info: dict[str, str], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._snapshot: dict[str, Any] = {}
+        self.registry.register(_SnapshotCollector(self))
+        info = Info("kvserve:cache_config", "KV cache configuration.", registry=self.registry)
+        info.info({"model_name": model_name, **cache_info})
+        self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of accepted requests.",
+                                     registry=self.registry)
+        self.request_success = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=self.registry)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive tokens.")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill_time = self._histogram("request_prefill_time_seconds", "First scheduled to first token.")
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(f"kvserve:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    # -- engine thread ---------------------------------------------------------------
+    def update(self, snapshot: dict[str, Any]) -> None:
+        self._snapshot = dict(snapshot)  # one reference swap: scrapes see a whole snapshot
+
+    def count_prompt_tokens(self, num_tokens: int) -> None:
+        self.prompt_tokens.inc(num_tokens)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_finished(self, request, reason: str) -> None:
+        self.request_success.labels(finished_reason=reason).inc()
+        if reason == "abort":
+            return
+        arrival, scheduled = request.arrival_time, request.first_scheduled_time
+        first, done = request.first_token_time, request.finished_time
+        if first is not None:
+            self.ttft.observe(first - arrival)
+        if done is not None:
+            self.e2e.observe(done - arrival)
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - arrival)
+            if first is not None:
+                self.prefill_time.observe(first - scheduled)
+
+    # -- any thread ------------------------------------------------------------------
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        return self._snapshot
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        snapshot = self.metrics.snapshot
+        for key, (name, doc) in GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(snapshot.get(key, 0)))
+        for key, (name, doc) in COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(snapshot.get(key, 0)))
+
+
+def cache_info(engine) -> dict[str, str]:
+    """Labels of the kvserve:cache_config info metric."""
+    kv, sched = engine.kv_cache, engine.scheduler_config
+    groups = "; ".join(f"{i}:{g.spec.describe()}x{len(g.layer_ids)}" for i, g in enumerate(kv.groups))
+    return {"block_size": str(kv.block_size), "num_blocks": str(kv.pool.num_blocks),
+            "num_groups": str(len(kv.groups)), "groups": groups,
+            "enable_prefix_caching": str(kv.enable_prefix_caching).lower(),
+            "max_model_len": str(sched.max_model_len),
+            "max_num_batched_tokens": str(sched.max_num_batched_tokens),
+            "max_num_seqs": str(sched.max_num_seqs)}

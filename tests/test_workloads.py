@@ -1,0 +1,92 @@
+"""Synthetic serving workloads and the bench's pure helpers (no server needed)."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from kvserve.bench.serve import RequestResult, parse_goodput, parse_prometheus, summarize
+from kvserve.bench.workloads import NUM_IDE_FILES, SHAPES, WORKLOADS, generate_workload
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_seeded_and_sized(workload):
+    a = generate_workload(workload, 40, seed=3, scale=0.1)
+    assert a == generate_workload(workload, 40, seed=3, scale=0.1)
+    assert a != generate_workload(workload, 40, seed=4, scale=0.1)
+    assert len(a) == 40 and all(r.prompt and r.max_tokens >= 1 for r in a)
+    assert all(r.after is None or r.after < i for i, r in enumerate(a))
+
+
+@pytest.mark.parametrize("scenario", ["qa", "long-doc", "ide-completion"])
+def test_lengths_are_heavy_tailed_around_the_spec_means(scenario):
+    requests = generate_workload(scenario, 400, seed=0, scale=0.25)
+    mean_in, mean_out, _ = SHAPES[scenario]
+    outs = [r.max_tokens for r in requests]
+    assert 0.7 * mean_out * 0.25 < statistics.mean(outs) < 1.3 * mean_out * 0.25
+    assert statistics.mean(outs) >= statistics.median(outs)            # right-skewed
+    words = statistics.mean(len(r.prompt.split()) for r in requests)
+    assert 0.6 * mean_in * 0.25 < words < 1.4 * mean_in * 0.25
+
+
+def test_scale_shrinks_and_max_len_caps():
+    small = generate_workload("long-doc", 50, seed=1, scale=0.05)
+    big = generate_workload("long-doc", 50, seed=1, scale=0.5)
+    assert sum(len(r.prompt) for r in small) < sum(len(r.prompt) for r in big) / 5
+    capped = generate_workload("long-doc", 50, seed=1, scale=1.0, max_len=2048)
+    assert all(len(r.prompt.split()) * 1.3 + r.max_tokens <= 2048 for r in capped)
+
+
+def test_code_review_turns_resend_the_whole_history():
+    requests = generate_workload("code-review", 30, seed=0, scale=0.05)
+    follow_ups = [(i, r) for i, r in enumerate(requests) if r.after is not None]
+    assert follow_ups
+    for i, r in follow_ups:
+        previous = requests[r.after]
+        assert r.prompt.startswith(previous.prompt) and len(r.prompt) > len(previous.prompt)
+    # Round-robin interleaving: a follow-up is not sent right behind its predecessor.
+    assert any(i - r.after > 1 for i, r in follow_ups)
+
+
+def test_ide_requests_share_file_prefixes():
+    requests = generate_workload("ide-completion", 200, seed=0, scale=0.1)
+    files = {r.prompt.split("\n", 1)[0] for r in requests}
+    assert 10 < len(files) <= NUM_IDE_FILES
+
+
+def test_mixed_has_every_scenario_and_valid_dependencies():
+    requests = generate_workload("mixed", 120, seed=0, scale=0.05)
+    assert {r.scenario for r in requests} == {"qa", "long-doc", "code-review", "ide-completion"}
+    for r in requests:
+        if r.after is not None:
+            assert requests[r.after].scenario == "code-review"
+            assert r.prompt.startswith(requests[r.after].prompt)
+
+
+def test_bad_workload_arguments():
+    with pytest.raises(ValueError, match="unknown workload"):
+        generate_workload("chat", 1)
+    with pytest.raises(ValueError, match="scale"):
+        generate_workload("qa", 1, scale=0)
+    with pytest.raises(ValueError, match="ttft:MS"):
+        parse_goodput(["latency:5"])
+    assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
+
+
+def test_summary_from_results_and_metrics_diff():
+    text = ('# HELP x\nkvserve:prefix_cache_queries_total 100.0\nkvserve:prefix_cache_hits_total 40.0\n'
+            'kvserve:kv_cache_evictions_total 2.0\nkvserve:request_success_total{finished_reason="stop"} 3\n')
+    after = parse_prometheus(text)
+    assert after['kvserve:request_success_total{finished_reason="stop"}'] == 3.0
+    before = {"kvserve:prefix_cache_queries_total": 50.0, "kvserve:prefix_cache_hits_total": 10.0}
+    results = [RequestResult("qa", ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, e2e=0.5,
+                             itl=[0.1] * 4),
+               RequestResult("qa", ok=True, prompt_tokens=10, output_tokens=5, ttft=0.9, e2e=1.3,
+                             itl=[0.1] * 4),
+               RequestResult("qa", error="HTTP 503")]
+    s = summarize(results, 2.0, before, after, [], {"ttft": 500})
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (2, 1, 10)
+    assert s["goodput"] == 0.5 and s["ttft_ms"]["mean"] == pytest.approx(500.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert s["server"]["prefix_cache_hit_rate"] == pytest.approx(0.6)
+    assert s["server"]["evictions_per_s"] == pytest.approx(1.0)
