@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_BLOCK_SIZE = 256
+EVICTION_POLICIES = ("lru", "reuse")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -19,8 +21,25 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 0.0
+    eviction_policy: str = "lru"
+    preemption_mode: str = "auto"
+    kv_copy_bandwidth_gbps: float = 25.0
 
     def __post_init__(self) -> None:
+        if self.cpu_kv_cache_gb < 0:
+            raise ValueError(f"cpu_kv_cache_gb must be >= 0 (0 turns the host KV tier off), "
+                             f"got {self.cpu_kv_cache_gb}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {self.eviction_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.cpu_kv_cache_gb == 0:
+            raise ValueError("preemption_mode='swap' needs a host KV tier: set cpu_kv_cache_gb > 0")
+        if self.kv_copy_bandwidth_gbps <= 0:
+            raise ValueError(f"kv_copy_bandwidth_gbps must be > 0, got {self.kv_copy_bandwidth_gbps}")
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -68,6 +87,10 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    cpu_kv_cache_gb: float = 0.0
+    eviction_policy: str = "lru"
+    preemption_mode: str = "auto"
+    kv_copy_bandwidth_gbps: float = 25.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,7 +104,10 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                            num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
-                           gpu_memory_utilization=self.gpu_memory_utilization)
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           cpu_kv_cache_gb=self.cpu_kv_cache_gb, eviction_policy=self.eviction_policy,
+                           preemption_mode=self.preemption_mode,
+                           kv_copy_bandwidth_gbps=self.kv_copy_bandwidth_gbps)
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_model_len = self.max_model_len or model_max_len

@@ -8,7 +8,11 @@ scheduler reaches the KV cache only through `KVCacheManager`.
 
 Policy: running requests first (oldest first), then waiting ones first come
 first served. When blocks run out, the most recently admitted running request
-is preempted, so the oldest always progresses and is never starved.
+is preempted, so the oldest always progresses and is never starved. A victim
+is swapped out to the host tier instead of recomputed when `PreemptionCosts`
+estimates the copies (out and back) cheaper than recomputing its tokens; a
+swapped request is re-admitted like any other, its KV coming back as a hit.
+Block copies the KV cache queued during a step travel in `kv_copies`.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvserve.cache.host_tier import BlockCopy
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.config import SchedulerConfig
+from kvserve.config import PREEMPTION_MODES, SchedulerConfig
 from kvserve.request import Request, RequestStatus
 
 
@@ -38,6 +43,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Must run, in order, before this step's forward (even if nothing is scheduled).
+    kv_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,13 +55,47 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class PreemptionCosts:
+    """Swap or recompute a victim: seconds of copies against seconds of prefill.
+
+    Rates start at the given estimates; the engine replaces them with measured
+    ones (`observe`) once it has seen enough prefill and copies.
+    """
+
+    mode: str = "auto"
+    copy_bytes_per_s: float = 25e9         # PCIe-class host link
+    prefill_tokens_per_s: float = 10_000.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.mode!r}")
+
+    def prefers_swap(self, swap_bytes: int, recompute_tokens: int) -> bool:
+        if self.mode != "auto":
+            return self.mode == "swap"
+        # The KV crosses the link twice: out now, back in on resume.
+        swap_s = 2 * swap_bytes / self.copy_bytes_per_s
+        return swap_s < recompute_tokens / self.prefill_tokens_per_s
+
+    def observe(self, prefill_tokens_per_s: float | None, copy_bytes_per_s: float | None) -> None:
+        if prefill_tokens_per_s:
+            self.prefill_tokens_per_s = prefill_tokens_per_s
+        if copy_bytes_per_s:
+            self.copy_bytes_per_s = copy_bytes_per_s
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 costs: PreemptionCosts | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.costs = costs if costs is not None else PreemptionCosts()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
 
     # -- queue management ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,6 +126,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.kv_copies = self.kv_cache.take_pending_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -109,12 +151,21 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        if self._should_swap(request):
+            self.kv_cache.swap_out(request)
+            self.num_swap_preemptions += 1
+        else:
+            self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _should_swap(self, request: Request) -> bool:
+        return (self.costs.mode != "recompute" and self.kv_cache.can_swap_out(request)
+                and self.costs.prefers_swap(self.kv_cache.swap_out_bytes(request),
+                                            request.num_computed_tokens))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -123,7 +174,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed):
                 break  # First come first served: nobody overtakes the head.
-            self.kv_cache.record_prefix_lookup(request, num_hit)
+            self.kv_cache.record_prefix_lookup(request, num_hit, computed)
             self.waiting.popleft()
             self._admit(request, num_hit)
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))

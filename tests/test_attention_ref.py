@@ -45,6 +45,7 @@ def _needed(spec, computed: int, total: int, block: int, block_size: int) -> boo
 def _build_batch(seqs, spec, block_size, gen):
     num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in seqs)
     kv_cache = torch.full((2, num_blocks, block_size, KVH, D), float("nan"))
+    kv_cache[:, 0, 0] = 0  # the runner's contract: slot 0 of the null block stays zero
     free_ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     max_blocks = max(-(-(c + n) // block_size) for c, n in seqs)
     tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)

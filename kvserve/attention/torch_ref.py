@@ -16,6 +16,11 @@ from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.metadata import AttentionMetadata
 
 
+# Slot 0 of the null block 0: never allocated, never written, zero from the
+# runner's zero-initialised cache. Invisible keys are gathered from here.
+ZERO_SLOT = 0
+
+
 @register_backend("torch")
 class TorchReferenceBackend:
     name = "torch"
@@ -24,13 +29,13 @@ class TorchReferenceBackend:
                 kv_cache: torch.Tensor, layer: AttentionLayerInfo,
                 meta: AttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mappings[layer.group_id])
-        keys, values = gather_kv(kv_cache, meta.block_tables[layer.group_id], meta.max_seq_len)
-        mask, key_visible, seq_idx, q_idx = _batch_layout(layer, meta, keys.shape[1])
-        # Keys no query may see can come from the NULL block or from slots past
-        # the sequence end (garbage, possibly NaN); a NaN score or value poisons
-        # the output even when masked, so zero them rather than only mask them.
-        keys = keys.masked_fill(~key_visible[:, :, None, None], 0)
-        values = values.masked_fill(~key_visible[:, :, None, None], 0)
+        mask, slots, seq_idx, q_idx = _batch_layout(layer, meta, kv_cache.shape[2])
+        # One gather through flat slots; keys no query may see (NULL blocks, past
+        # the sequence end: garbage, maybe NaN, which would poison SDPA even when
+        # masked) read slot 0 of the null block instead, which stays zero.
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]
+        values = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
         q_pad = _pad_queries(q, meta, seq_idx, q_idx)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -42,19 +47,32 @@ class TorchReferenceBackend:
         return out[seq_idx, q_idx]
 
 
-def _batch_layout(layer: AttentionLayerInfo, meta: AttentionMetadata, num_keys: int
+def _batch_layout(layer: AttentionLayerInfo, meta: AttentionMetadata, block_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mask, visible keys and token coordinates: the same for every layer of a
+    """Mask, gather slots and token coordinates: the same for every layer of a
     group, so computed once per batch and kept in `meta.scratch`."""
-    key = ("torch_ref", layer.group_id, layer.spec, num_keys)
+    key = ("torch_ref", layer.group_id, layer.spec)
     if key not in meta.scratch:
+        num_keys = -(-meta.max_seq_len // block_size) * block_size
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
         mask = build_mask(layer, meta.seq_lens, query_lens, meta.max_query_len, num_keys)
         key_visible = mask.any(dim=1)
+        slots = gather_slots(meta.block_tables[layer.group_id], block_size, num_keys)
+        slots = torch.where(key_visible, slots, ZERO_SLOT)
         mask = _open_padding_rows(mask, key_visible, query_lens)
         seq_idx, q_idx = _token_coordinates(meta, query_lens)
-        meta.scratch[key] = (mask, key_visible, seq_idx, q_idx)
+        meta.scratch[key] = (mask, slots, seq_idx, q_idx)
     return meta.scratch[key]
+
+
+def gather_slots(block_table: torch.Tensor, block_size: int, num_keys: int) -> torch.Tensor:
+    """[B, num_keys] flat cache slot of each key position."""
+    num_blocks = num_keys // block_size
+    if block_table.shape[1] < num_blocks:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns but {num_keys} keys "
+                         f"need {num_blocks} blocks of {block_size}")
+    pos = torch.arange(num_keys, device=block_table.device)
+    return block_table[:, :num_blocks].long()[:, pos // block_size] * block_size + pos % block_size
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,22 +84,6 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping = slot_mapping.long()  # index_copy_ takes int64 only
     key_cache.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     value_cache.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
-
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor,
-              max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous [B, num_blocks * block_size, KVH, D] keys and values."""
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-max_seq_len // block_size)
-    if block_table.shape[1] < num_blocks:
-        raise ValueError(
-            f"block_table has {block_table.shape[1]} columns but max_seq_len "
-            f"{max_seq_len} needs {num_blocks} blocks of {block_size}")
-    table = block_table[:, :num_blocks].long()
-    batch = table.shape[0]
-    keys = kv_cache[0][table].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
-    values = kv_cache[1][table].reshape(batch, num_blocks * block_size, *kv_cache.shape[-2:])
-    return keys, values
 
 
 def build_mask(layer: AttentionLayerInfo, seq_lens: torch.Tensor,

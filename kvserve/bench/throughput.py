@@ -7,6 +7,7 @@ does with its random dataset.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 
@@ -46,14 +47,34 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int) -> ThroughputRes
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], params.with_max_tokens(2), use_tqdm=False)
     _sync()
+    profiler = _maybe_profiler()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     _sync()
+    if profiler is not None:
+        _dump_profile(profiler)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != len(prompts) * output_len:
         raise RuntimeError(f"kvserve produced {produced} tokens, expected {len(prompts) * output_len}")
     return ThroughputResult("kvserve", elapsed, len(prompts), len(prompts[0]), output_len)
+
+
+def _maybe_profiler():
+    """KVSERVE_PROFILE=FILE: host-side cProfile of the timed run (where the CPU time goes)."""
+    if not os.environ.get("KVSERVE_PROFILE"):
+        return None
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _dump_profile(profiler) -> None:
+    import pstats
+    profiler.disable()
+    with open(os.environ["KVSERVE_PROFILE"], "w") as f:
+        pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
 
 
 def _sync() -> None:

@@ -6,11 +6,15 @@ out, shares, frees and caches blocks.
 
 Free blocks keep their hash and stay hittable until they are reclaimed for new
 data; reclaiming one counts as an eviction. Which free block is reclaimed next
-is decided by an `EvictionPolicy` (plain LRU: `FreeBlockQueue`).
+is decided by an `EvictionPolicy` (plain LRU: `FreeBlockQueue`; reuse-aware:
+`cache/eviction.py`). The pool keeps what such a policy needs in O(1): each
+cached block's hit count and its number of cached children (blocks whose
+parent hash is its hash). `on_evict`, when set, sees a cached block just
+before its hash is dropped (the host tier copies it out then).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +38,9 @@ class KVBlock:
     """One physical block: `block_size` KV slots in every layer of a group slot."""
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "cache_group", "content",
-                 "prev_free", "next_free")
+                 "prev_free", "next_free", "num_hits", "num_children", "free_list")
+    # A GPU block; `HostBlockRef` (cache/host_tier.py) says True.
+    on_host = False
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -45,6 +51,12 @@ class KVBlock:
         self.content: BlockContent | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        # Eviction hints, valid while cached: prefix hits since cached, and
+        # cached blocks whose parent hash is this block's hash.
+        self.num_hits = 0
+        self.num_children = 0
+        # The eviction policy's list this free block sits in (policy-owned).
+        self.free_list: object | None = None
 
     @property
     def is_null(self) -> bool:
@@ -61,6 +73,8 @@ class EvictionPolicy(Protocol):
     def append(self, block: KVBlock) -> None: ...
     def remove(self, block: KVBlock) -> None: ...
     def popleft(self) -> KVBlock: ...
+    def update(self, block: KVBlock) -> None:
+        """A free block's hash, hit count or child count changed."""
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[KVBlock]: ...
 
@@ -102,6 +116,9 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def update(self, block: KVBlock) -> None:
+        """LRU ignores hits and children: order is free time only."""
+
     def __len__(self) -> int:
         return self._len
 
@@ -129,6 +146,10 @@ class BlockPool:
         for block in self.blocks[1:]:
             self.free_queue.append(block)
         self.cached: dict[tuple[int, bytes], KVBlock] = {}
+        # (group, hash) -> cached blocks whose parent is that key, whether or
+        # not the parent itself is cached now (it may be cached again later).
+        self._num_children: dict[tuple[int, bytes], int] = {}
+        self.on_evict: Callable[[KVBlock], None] | None = None
         self.num_evictions = 0
         # Bumped whenever cached content may have vanished (eviction, reset);
         # lets callers cheaply tell whether an earlier lookup is still valid.
@@ -147,13 +168,17 @@ class BlockPool:
         """Reclaim `num` free blocks (evicting their cached content) with ref 1."""
         if num > self.num_free_blocks:
             raise ValueError(f"asked for {num} blocks, only {self.num_free_blocks} free")
-        blocks = [self.free_queue.popleft() for _ in range(num)]
-        for block in blocks:
+        blocks = []
+        for _ in range(num):
+            # One at a time: dropping a hash updates the parent's place in the
+            # free queue, so no popped block may still look free (ref 0) then.
+            block = self.free_queue.popleft()
             self._drop_cached(block)
             block.ref_cnt = 1
+            blocks.append(block)
         return blocks
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
+    def touch(self, blocks: Iterable[KVBlock], count_hit: bool = True) -> None:
         """Add a reference (a prefix hit); a free block leaves the free queue."""
         for block in blocks:
             if block.is_null:
@@ -161,6 +186,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            block.num_hits += count_hit
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop a reference; blocks reaching 0 join the queue in the given order,
@@ -193,6 +219,9 @@ class BlockPool:
             return
         self.cached[key] = block
         block.block_hash, block.cache_group, block.content = block_hash, group_id, content
+        block.num_children = self._num_children.get(key, 0)
+        if content.parent_hash is not None:
+            self._add_child((group_id, content.parent_hash), +1)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
@@ -200,17 +229,38 @@ class BlockPool:
             return False
         for block in self.cached.values():
             block.block_hash = block.cache_group = block.content = None
+            block.num_hits = block.num_children = 0
+            self.free_queue.update(block)
         self.cached.clear()
+        self._num_children.clear()
         self.epoch += 1
         return True
 
     def _drop_cached(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        del self.cached[(block.cache_group, block.block_hash)]
+        if self.on_evict is not None:
+            self.on_evict(block)
+        group_id, content = block.cache_group, block.content
+        del self.cached[(group_id, block.block_hash)]
         block.block_hash = block.cache_group = block.content = None
+        block.num_hits = block.num_children = 0
+        if content.parent_hash is not None:
+            self._add_child((group_id, content.parent_hash), -1)
         self.num_evictions += 1
         self.epoch += 1
+
+    def _add_child(self, parent_key: tuple[int, bytes], delta: int) -> None:
+        count = self._num_children.get(parent_key, 0) + delta
+        if count:
+            self._num_children[parent_key] = count
+        else:
+            self._num_children.pop(parent_key, None)
+        parent = self.cached.get(parent_key)
+        if parent is not None:
+            parent.num_children = count
+            if parent.ref_cnt == 0:
+                self.free_queue.update(parent)
 
     def check_integrity(self, expected_refs: dict[int, int]) -> None:
         """Raise RuntimeError if ref counts, free queue or hash map disagree.
@@ -227,6 +277,23 @@ class BlockPool:
             if block.block_hash != block_hash or block.cache_group != group_id:
                 raise RuntimeError(f"hash map entry for group {group_id} points to {block} "
                                    f"whose hash/group differ")
+        self._check_children()
+        check = getattr(self.free_queue, "check_integrity", None)
+        if check is not None:
+            check()
+
+    def _check_children(self) -> None:
+        counts: dict[tuple[int, bytes], int] = {}
+        for (group_id, _), block in self.cached.items():
+            if block.content.parent_hash is not None:
+                key = (group_id, block.content.parent_hash)
+                counts[key] = counts.get(key, 0) + 1
+        if counts != self._num_children:
+            raise RuntimeError("cached child counts disagree with the hash map")
+        for key, block in self.cached.items():
+            if block.num_children != counts.get(key, 0):
+                raise RuntimeError(f"{block} counts {block.num_children} cached children, "
+                                   f"the hash map says {counts.get(key, 0)}")
 
     def _check_free_queue(self) -> None:
         seen: set[int] = set()

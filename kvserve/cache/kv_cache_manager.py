@@ -18,19 +18,30 @@ Scheduler contract for `num_computed_tokens`:
      actually computed before the next call.
   Call allocate_slots right after get_computed_blocks: a hit whose blocks were
   evicted in between is rejected with ValueError.
+
+Host tier (optional, `host_tier.py`): GPU blocks evicted with a hash are
+copied to host slots; a hit may then contain `HostBlockRef`s, which
+allocate_slots replaces by fresh GPU blocks with queued loads. A preempted
+request can instead be swapped out (`swap_out`): its blocks go to private
+host slots, and its next `get_computed_blocks` returns them as a hit of its
+old `num_computed_tokens` (`is_swap_in`), so re-admission is the same code
+path. Every queued copy must be executed, in order, before the next forward:
+the scheduler hands them over with `take_pending_copies`.
 """
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.cache import groups as layout
 from kvserve.cache.block_pool import BlockPool, KVBlock
+from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
 from kvserve.cache.hashing import extend_block_hashes
-from kvserve.cache.managers import SingleTypeManager, make_manager
+from kvserve.cache.host_tier import BlockCopy, HostBlockRef, HostTier
+from kvserve.cache.managers import HitBlock, SingleTypeManager, make_manager
 
 if TYPE_CHECKING:
     from kvserve.request import Request
@@ -38,22 +49,41 @@ if TYPE_CHECKING:
 
 @dataclass
 class ComputedBlocks:
-    """A prefix hit: per-group hit blocks (NULL where unneeded) and its length."""
+    """A prefix hit: per-group hit blocks (NULL where unneeded) and its length.
 
-    blocks: list[list[KVBlock]]
+    Blocks in the host tier are `HostBlockRef`s until admission loads them.
+    A swap-in is a "hit" on the request's own swapped-out blocks.
+    """
+
+    blocks: list[list[HitBlock]]
     num_tokens: int
-    # Pool epoch at lookup; if it moved, the hit is re-verified before use.
-    pool_epoch: int = -1
+    # (pool, host tier) epochs at lookup; if they moved, the hit is re-verified.
+    epoch: tuple[int, int] = (-1, -1)
+    is_swap_in: bool = False
 
     def block_ids(self) -> list[list[int]]:
-        return [[block.block_id for block in group] for group in self.blocks]
+        """GPU block ids (-1 for blocks still on the host)."""
+        return [[-1 if block.on_host else block.block_id for block in group]
+                for group in self.blocks]
+
+
+@dataclass
+class SwappedKV:
+    """A swapped-out request's tables: private host slots, NULL kept as NULL."""
+
+    tables: list[list[HitBlock]]
+    num_tokens: int
+
+    def slots(self) -> list[int]:
+        return [block.slot for table in self.tables for block in table if block.on_host]
 
 
 class KVCacheManager:
     """Allocates, caches and frees KV blocks for requests across all groups."""
 
     def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, extra_keys: tuple = ()) -> None:
+                 enable_prefix_caching: bool = True, extra_keys: tuple = (),
+                 eviction_policy: str = "lru", host_tier: HostTier | None = None) -> None:
         if not groups:
             raise ValueError("KVCacheManager needs at least one KV cache group")
         if block_size < 1:
@@ -62,12 +92,20 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = extra_keys
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, make_eviction_policy(eviction_policy))
+        self.host_tier = host_tier
+        if host_tier is not None and enable_prefix_caching:
+            self.pool.on_evict = host_tier.save
+        lookup_tier = host_tier if enable_prefix_caching else None
         self.managers: list[SingleTypeManager] = [
-            make_manager(group.spec, self.pool, block_size, group_id)
+            make_manager(group.spec, self.pool, block_size, group_id, lookup_tier)
             for group_id, group in enumerate(self.groups)]
+        self._swapped: dict[str, SwappedKV] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_hit_tokens = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
         # End of each request's computed+scheduled range (for fragmentation).
         self._num_tokens: dict[str, int] = {}
 
@@ -107,7 +145,12 @@ class KVCacheManager:
         """Longest cached prefix valid for every group, capped at num_tokens - 1
         so at least one token is computed. Counts nothing: the caller records
         the lookup with `record_prefix_lookup` once admission succeeds, so a
-        retried admission is not counted twice."""
+        retried admission is not counted twice. A swapped-out request gets
+        its own swapped blocks back instead."""
+        swapped = self._swapped.get(request.request_id)
+        if swapped is not None:
+            return ComputedBlocks([list(t) for t in swapped.tables], swapped.num_tokens,
+                                  self._epoch(), is_swap_in=True), swapped.num_tokens
         if not self.enable_prefix_caching:
             return self._no_hit(), 0
         extend_block_hashes(request, self.block_size, self.extra_keys)
@@ -115,11 +158,25 @@ class KVCacheManager:
                                        request.num_tokens - 1)
         return hit, hit.num_tokens
 
-    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        """Count one admitted lookup: queries and hits, both in tokens."""
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int,
+                             computed: ComputedBlocks | None = None) -> None:
+        """Count one admitted lookup: queries and hits (host hits too), in tokens.
+        A swap-in is not a lookup and counts nothing here."""
+        if computed is not None and computed.is_swap_in:
+            return
         if self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
+            if computed is not None:
+                self.host_hit_tokens += self.num_host_tokens(computed)
+
+    def num_host_tokens(self, computed: ComputedBlocks) -> int:
+        """Tokens of a hit whose KV comes from the host tier (in any group)."""
+        indices = {i for group in computed.blocks for i, b in enumerate(group) if b.on_host}
+        return len(indices) * self.block_size
+
+    def _epoch(self) -> tuple[int, int]:
+        return self.pool.epoch, self.host_tier.epoch if self.host_tier is not None else 0
 
     def _longest_common_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                             max_length: int) -> ComputedBlocks:
@@ -131,11 +188,11 @@ class KVCacheManager:
                     for m in self.managers]
             lengths = {len(blocks) * self.block_size for blocks in hits}
             if len(lengths) == 1:
-                return ComputedBlocks(hits, lengths.pop(), self.pool.epoch)
+                return ComputedBlocks(hits, lengths.pop(), self._epoch())
             length = min(lengths)
 
     def _no_hit(self) -> ComputedBlocks:
-        return ComputedBlocks([[] for _ in self.managers], 0, self.pool.epoch)
+        return ComputedBlocks([[] for _ in self.managers], 0, self._epoch())
 
     # ---- allocation ---------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -158,6 +215,9 @@ class KVCacheManager:
         if not self._can_allocate(request.request_id, hit, first_query_pos, total):
             return False
         self._apply_allocation(request.request_id, hit, first_query_pos, total)
+        if hit is not None and hit.is_swap_in:
+            del self._swapped[request.request_id]
+            self.num_swap_ins += 1
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, total)
         return True
@@ -168,8 +228,10 @@ class KVCacheManager:
         for group_id, manager in enumerate(self.managers):
             hit_blocks = hit.blocks[group_id] if hit else []
             needed += manager.num_new_blocks(request_id, total, len(hit_blocks))
-            # A hit on a free block takes it out of the free queue.
-            needed += sum(1 for b in hit_blocks if not b.is_null and b.ref_cnt == 0)
+            # A hit on a free block takes it out of the free queue; one on the
+            # host needs a fresh block to load into.
+            needed += sum(1 for b in hit_blocks
+                          if b.on_host or (not b.is_null and b.ref_cnt == 0))
             needed -= manager.num_reclaimed(request_id, first_query_pos)
         return needed <= self.pool.num_free_blocks
 
@@ -178,26 +240,59 @@ class KVCacheManager:
         # Phase order matters: hits are touched in every group before any group
         # reclaims free blocks, or a free hit block could be handed out as new.
         if hit is not None:
-            for group_id, manager in enumerate(self.managers):
-                manager.add_hit_blocks(request_id, hit.blocks[group_id])
+            self._add_hit(request_id, hit)
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, first_query_pos)
         for manager in self.managers:
             manager.allocate_new_blocks(request_id, total)
         self._num_tokens[request_id] = total
 
+    def _add_hit(self, request_id: str, hit: ComputedBlocks) -> None:
+        """Give the request its hit blocks, loading the host ones into new GPU blocks."""
+        refs = [(g, i, b) for g, group in enumerate(hit.blocks)
+                for i, b in enumerate(group) if b.on_host]
+        tables = [list(group) for group in hit.blocks]
+        gpu_hits = [b for group in hit.blocks for b in group if not b.on_host]
+        # A temporary reference keeps free GPU hits from being reclaimed for the loads.
+        self.pool.touch(gpu_hits, count_hit=False)
+        loaded = self._load_from_host([ref for _, _, ref in refs], [g for g, _, _ in refs])
+        for (g, i, _), block in zip(refs, loaded):
+            tables[g][i] = block
+        for group_id, manager in enumerate(self.managers):
+            manager.add_hit_blocks(request_id, tables[group_id], count_hit=not hit.is_swap_in)
+            if hit.is_swap_in:  # offer the reloaded full blocks to the hash map again
+                manager.num_cached_blocks[request_id] = 0
+        self.pool.free_blocks(gpu_hits + loaded)
+
+    def _load_from_host(self, refs: list[HostBlockRef], group_ids: list[int]) -> list[KVBlock]:
+        if not refs:
+            return []
+        self.host_tier.pin(refs)  # the evictions below save to host: keep these slots
+        blocks = self.pool.get_new_blocks(len(refs))
+        for ref, group_id, block in zip(refs, group_ids, blocks):
+            self.host_tier.load(ref, block.block_id)
+            if ref.key is not None:
+                self.pool.cache_block(block, group_id, ref.key[1], ref.content)
+                block.num_hits = ref.num_hits
+        self.host_tier.unpin(refs)
+        return blocks
+
     def _check_hit_usable(self, request: Request, hit: ComputedBlocks) -> None:
         if request.request_id in self._num_tokens:
             raise ValueError(f"request {request.request_id!r} already holds blocks; "
                              f"pass a prefix hit only when admitting it")
-        if hit.pool_epoch == self.pool.epoch:
+        if hit.is_swap_in:
+            if request.request_id not in self._swapped:
+                raise ValueError(f"request {request.request_id!r} was swapped in already")
+            return  # private slots cannot vanish
+        if hit.epoch == self._epoch():
             return
         token_ids = request.all_token_ids
         for manager, blocks in zip(self.managers, hit.blocks):
             for index, block in enumerate(blocks):
                 if block.is_null:
                     continue
-                if manager.lookup(request.block_hashes, token_ids, index) is not block:
+                if manager.lookup(request.block_hashes, token_ids, index) != block:
                     raise ValueError("stale prefix hit: call get_computed_blocks right "
                                      "before allocate_slots for the same request")
 
@@ -215,14 +310,71 @@ class KVCacheManager:
 
     # ---- release ------------------------------------------------------
     def free(self, request: Request) -> None:
-        """Release all of a request's blocks (tail first); unknown ids are a no-op."""
+        """Release all of a request's blocks (tail first), swapped ones included;
+        unknown ids are a no-op."""
+        self._free_gpu(request.request_id)
+        swapped = self._swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self.host_tier.release_private(swapped.slots())
+
+    def _free_gpu(self, request_id: str) -> None:
         for manager in self.managers:
-            manager.free(request.request_id)
-        self._num_tokens.pop(request.request_id, None)
+            manager.free(request_id)
+        self._num_tokens.pop(request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing done) while requests hold blocks."""
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.reset()
+        return True
+
+    # ---- swap -----------------------------------------------------------
+    def _swap_tables(self, request: Request) -> list[list[KVBlock]]:
+        """The blocks holding the request's computed tokens, per group."""
+        num_blocks = -(-request.num_computed_tokens // self.block_size)
+        return [m.blocks(request.request_id)[:num_blocks] for m in self.managers]
+
+    def swap_out_bytes(self, request: Request) -> int:
+        """Bytes a swap-out (and again a swap-in) of this request moves."""
+        if self.host_tier is None:
+            return 0
+        held = sum(1 for t in self._swap_tables(request) for b in t if not b.is_null)
+        return held * self.host_tier.block_bytes
+
+    def can_swap_out(self, request: Request) -> bool:
+        if self.host_tier is None or request.num_computed_tokens == 0:
+            return False
+        held = sum(1 for t in self._swap_tables(request) for b in t if not b.is_null)
+        return held <= self.host_tier.num_free_for_swap()
+
+    def swap_out(self, request: Request) -> None:
+        """Copy the request's computed KV to private host slots and free its GPU
+        blocks. Its next `get_computed_blocks` returns them (see module doc)."""
+        if not self.can_swap_out(request):
+            raise ValueError(f"request {request.request_id!r} cannot be swapped out")
+        tables = []
+        for table in self._swap_tables(request):
+            slots = iter(self.host_tier.swap_out([b.block_id for b in table if not b.is_null]))
+            tables.append([b if b.is_null else HostBlockRef(next(slots), None, None) for b in table])
+        self._free_gpu(request.request_id)
+        self._swapped[request.request_id] = SwappedKV(tables, request.num_computed_tokens)
+        self.num_swap_outs += 1
+
+    def take_pending_copies(self) -> list[BlockCopy]:
+        """Block copies queued since the last call, in the order they must run."""
+        return self.host_tier.take_pending() if self.host_tier is not None else []
+
+    def host_metrics(self) -> dict[str, Any]:
+        """Cache-side host-tier counters (the runner counts executed copies)."""
+        host = self.host_tier
+        return {"kv_host_hit_tokens": self.host_hit_tokens,
+                "kv_host_swap_outs": self.num_swap_outs, "kv_host_swap_ins": self.num_swap_ins,
+                "kv_host_usage_perc": host.usage if host else 0.0,
+                "kv_host_cached_blocks": host.num_cached if host else 0,
+                "kv_host_evictions": host.num_evictions if host else 0,
+                "num_requests_swapped": len(self._swapped)}
 
     # ---- introspection ------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[list[int]]:
@@ -262,3 +414,19 @@ class KVCacheManager:
         if self.pool.null_block.ref_cnt != 0 or self.pool.null_block.block_hash is not None:
             raise RuntimeError("the NULL block was referenced or cached")
         self.pool.check_integrity(refs)
+        self._check_host_integrity()
+
+    def _check_host_integrity(self) -> None:
+        host = self.host_tier
+        if host is None:
+            if self._swapped:
+                raise RuntimeError("swapped requests without a host tier")
+            return
+        for request_id in self._swapped:
+            if request_id in self._num_tokens:
+                raise RuntimeError(f"swapped request {request_id!r} also holds GPU blocks")
+        host.check_integrity([s for kv in self._swapped.values() for s in kv.slots()])
+        for key, entry in host.entries().items():
+            block = self.pool.cached.get(key)
+            if block is not None and block.content != entry.content:
+                raise RuntimeError(f"{key} is cached on GPU and host with different contents")

@@ -12,7 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvserve.cache.block_pool import BlockContent, BlockPool, KVBlock
+from kvserve.cache.host_tier import HostBlockRef, HostTier
 from kvserve.cache.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+# A hit block: on the GPU, or in the host tier (loaded on admission).
+HitBlock = KVBlock | HostBlockRef
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,9 +27,10 @@ class SingleTypeManager:
     """Shared bookkeeping; subclasses supply the attention-type policy."""
 
     def __init__(self, spec: AttentionSpec, pool: BlockPool, block_size: int,
-                 group_id: int) -> None:
+                 group_id: int, host_tier: HostTier | None = None) -> None:
         self.spec = spec
         self.pool = pool
+        self.host_tier = host_tier
         self.block_size = block_size
         self.group_id = group_id
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
@@ -34,7 +39,7 @@ class SingleTypeManager:
 
     # ---- policy hooks -------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
-                               max_length: int) -> list[KVBlock]:
+                               max_length: int) -> list[HitBlock]:
         """Hit blocks (NULL where not needed) of the longest valid hit <= max_length."""
         raise NotImplementedError
 
@@ -61,11 +66,12 @@ class SingleTypeManager:
         return sum(1 for i in self.skippable_blocks(request_id, first_query_pos)
                    if table[i].ref_cnt == 1)
 
-    def add_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
+    def add_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock],
+                       count_hit: bool = True) -> None:
         if request_id in self.req_to_blocks:
             raise ValueError(f"request {request_id!r} already holds blocks; prefix hits "
                              f"apply only to a request being admitted")
-        self.pool.touch(hit_blocks)
+        self.pool.touch(hit_blocks, count_hit)
         self.req_to_blocks[request_id] = list(hit_blocks)
         self.num_cached_blocks[request_id] = len(hit_blocks)
 
@@ -100,9 +106,13 @@ class SingleTypeManager:
         self.pool.free_blocks(reversed(table))
 
     def lookup(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
-               index: int) -> KVBlock | None:
+               index: int) -> HitBlock | None:
+        """The verified cached block: on the GPU if there, else in the host tier."""
         content = block_content(block_hashes, token_ids, index, self.block_size)
-        return self.pool.get_cached_block(self.group_id, block_hashes[index], content)
+        block = self.pool.get_cached_block(self.group_id, block_hashes[index], content)
+        if block is None and self.host_tier is not None:
+            return self.host_tier.lookup((self.group_id, block_hashes[index]), content)
+        return block
 
 
 def block_content(block_hashes: Sequence[bytes], token_ids: Sequence[int], index: int,
@@ -117,8 +127,8 @@ class FullAttentionManager(SingleTypeManager):
     """Every key stays visible: keep all blocks; hits are prefix-closed."""
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
-                               max_length: int) -> list[KVBlock]:
-        hit: list[KVBlock] = []
+                               max_length: int) -> list[HitBlock]:
+        hit: list[HitBlock] = []
         for index in range(min(max_length // self.block_size, len(block_hashes))):
             block = self.lookup(block_hashes, token_ids, index)
             if block is None:
@@ -159,7 +169,7 @@ class SlidingWindowManager(SingleTypeManager):
         return min(cdiv(num_tokens, self.block_size), bounded)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
-                               max_length: int) -> list[KVBlock]:
+                               max_length: int) -> list[HitBlock]:
         num_blocks = min(max_length // self.block_size, len(block_hashes))
         found = [self.lookup(block_hashes, token_ids, i) for i in range(num_blocks)]
         for length_blocks in range(num_blocks, 0, -1):
@@ -167,7 +177,7 @@ class SlidingWindowManager(SingleTypeManager):
                 return self._hit_table(found, length_blocks)
         return []
 
-    def _is_valid_hit(self, found: list[KVBlock | None], length_blocks: int) -> bool:
+    def _is_valid_hit(self, found: list[HitBlock | None], length_blocks: int) -> bool:
         """Valid iff every block a query at L may read is cached (L = length in tokens).
 
         Generous by one token: the window is taken as [L - window, L).
@@ -178,7 +188,7 @@ class SlidingWindowManager(SingleTypeManager):
         return (all(b is not None for b in found[first:length_blocks])
                 and all(b is not None for b in found[:sink_end]))
 
-    def _hit_table(self, found: list[KVBlock | None], length_blocks: int) -> list[KVBlock]:
+    def _hit_table(self, found: list[HitBlock | None], length_blocks: int) -> list[HitBlock]:
         """Keep only the blocks the next query (at L) reads; NULL elsewhere."""
         length = length_blocks * self.block_size
         first_needed = self.spec.visible_start(length) // self.block_size
@@ -194,9 +204,9 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeManager]] = {
 
 
 def make_manager(spec: AttentionSpec, pool: BlockPool, block_size: int,
-                 group_id: int) -> SingleTypeManager:
+                 group_id: int, host_tier: HostTier | None = None) -> SingleTypeManager:
     manager_cls = MANAGER_FOR_SPEC.get(type(spec))
     if manager_cls is None:
         raise ValueError(f"no KV cache manager for attention spec {spec!r}; "
                          f"register one in MANAGER_FOR_SPEC")
-    return manager_cls(spec, pool, block_size, group_id)
+    return manager_cls(spec, pool, block_size, group_id, host_tier)

@@ -15,12 +15,13 @@ import torch
 from kvserve.attention.backend import get_backend
 from kvserve.cache import KVCacheManager, make_kv_cache_groups
 from kvserve.cache.groups import group_size, layer_to_group, layer_to_slot
+from kvserve.cache.host_tier import HostTier
 from kvserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders import build_model, resolve_dtype, resolve_model
 from kvserve.runner.memory import kv_budget_bytes, profile_peak_bytes
 from kvserve.runner.model_runner import KVLayout, ModelRunner
-from kvserve.scheduler import Scheduler
+from kvserve.scheduler import PreemptionCosts, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,17 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                       num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype)
     num_blocks = plan_num_blocks(cache_config, sched_config, model, layout, device)
     layout = replace(layout, num_blocks=num_blocks)
-    kv_cache = KVCacheManager(groups, num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+    num_host_blocks = plan_num_host_blocks(cache_config, layout)
+    host_tier = HostTier(num_host_blocks, layout.bytes_per_block) if num_host_blocks else None
+    kv_cache = KVCacheManager(groups, num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                              eviction_policy=cache_config.eviction_policy, host_tier=host_tier)
     _check_one_request_fits(kv_cache, sched_config)
     runner = ModelRunner(model, layout, device, args.seed)
+    if host_tier is not None:
+        runner.attach_host_tier(num_host_blocks)
+        logger.info("host KV tier: %d blocks (%.2f GiB)", num_host_blocks,
+                    num_host_blocks * layout.bytes_per_block / 1024**3)
+    costs = PreemptionCosts(cache_config.preemption_mode, cache_config.kv_copy_bandwidth_gbps * 1e9)
     if device.type == "cuda" and not args.enforce_eager:
         runner.capture_decode_graphs(sched_config.max_model_len, sched_config.max_num_seqs)
     logger.info("KV cache: %d blocks x %d tokens, %d group(s): %s", num_blocks, cache_config.block_size,
@@ -76,7 +85,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     tokenizer = resolved.tokenizer
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return EngineParts(config, tokenizer, sched_config, kv_cache, Scheduler(sched_config, kv_cache),
+    return EngineParts(config, tokenizer, sched_config, kv_cache, Scheduler(sched_config, kv_cache, costs),
                        runner, frozenset(eos))
 
 
@@ -108,6 +117,17 @@ def plan_num_blocks(cache: CacheConfig, sched: SchedulerConfig, model: torch.nn.
     if num_blocks < 2:
         raise ValueError(f"the KV cache budget ({budget / 1024**3:.3f} GiB) holds {num_blocks} block(s) of "
                          f"{per_block} bytes; at least 2 are needed")
+    return num_blocks
+
+
+def plan_num_host_blocks(cache: CacheConfig, layout: KVLayout) -> int:
+    """Host-tier blocks in `cpu_kv_cache_gb` GiB (0: no host tier)."""
+    if cache.cpu_kv_cache_gb == 0:
+        return 0
+    num_blocks = int(cache.cpu_kv_cache_gb * 1024**3 // layout.bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError(f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds no KV block of "
+                         f"{layout.bytes_per_block} bytes; raise it or set 0 to turn the host tier off")
     return num_blocks
 
 

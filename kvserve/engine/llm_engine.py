@@ -91,13 +91,22 @@ class LLMEngine:
         """Run one scheduler step; returns the requests that got a new token."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.runner.copy_blocks(out.kv_copies)  # a swap-out with nothing scheduled
             return []
         start = time.monotonic()
         block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
         result = self.runner.execute(out, block_ids)
         self.scheduler.update_after_step(out)
         self.stats.record_step(out, time.monotonic() - start)
+        self._observe_rates()
         return self._process(result)
+
+    def _observe_rates(self) -> None:
+        """Feed measured prefill and copy rates to the swap-or-recompute choice."""
+        transfer = self.runner.kv_transfer
+        if transfer is None:
+            return
+        self.scheduler.costs.observe(self.stats.prefill_tokens_per_s(), transfer.measured_bytes_per_s())
 
     def _process(self, result: StepResult) -> list[Request]:
         now = time.monotonic()
@@ -183,8 +192,17 @@ class LLMEngine:
             "kv_cache_fragmentation": kv.fragmentation(),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            **kv.host_metrics(),
+            **self._transfer_metrics(),
             **self.stats.as_dict(),
         }
+
+    def _transfer_metrics(self) -> dict[str, Any]:
+        transfer = self.runner.kv_transfer
+        if transfer is not None:
+            return transfer.metrics()
+        return {"kv_host_blocks_to_host": 0, "kv_host_blocks_to_gpu": 0, "kv_host_bytes_to_host": 0,
+                "kv_host_bytes_to_gpu": 0, "kv_host_load_wait_s": 0.0}
 
 
 class EngineStats:
@@ -204,6 +222,12 @@ class EngineStats:
         if any(s.num_new_tokens > 1 for s in out.scheduled):
             self.prefill_time_s += seconds
         self.num_prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+
+    def prefill_tokens_per_s(self) -> float | None:
+        """Measured prefill throughput, once there is enough to measure."""
+        if self.num_prompt_tokens < 1024 or self.prefill_time_s <= 0:
+            return None
+        return self.num_prompt_tokens / self.prefill_time_s
 
     def record_token(self, request: Request, now: float) -> None:
         self.num_generation_tokens += 1

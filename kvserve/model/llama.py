@@ -16,7 +16,8 @@ from torch import nn
 from kvserve.attention.backend import AttentionBackend, AttentionLayerInfo
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvserve.model.fused_ops import qk_norm_rope_
+from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 # HF checkpoint projection -> (fused parameter, shard index within it).
 _FUSED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         # stays out of state_dict and may alias another layer's tensor.
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound; call bind_kv_caches() before forward()")
@@ -55,9 +56,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.info.num_heads, head_dim)
         k = k.view(num_tokens, self.info.num_kv_heads, head_dim)
         v = v.view(num_tokens, self.info.num_kv_heads, head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        q, k = qk_norm_rope_(q, k, positions, inv_freq, q_weight, k_weight, eps)
         out = self.backend.forward(q, k, v, self.kv_cache, self.info, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -71,10 +72,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                inv_freq: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the
+        next norm adds them, so each residual add fuses into a norm kernel."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, inv_freq, meta)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -120,10 +128,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, self.rotary.inv_freq, meta)
+        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

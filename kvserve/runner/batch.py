@@ -43,15 +43,21 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_ids: list[list[lis
     """block_ids[i][g] is request i's block table for KV group g."""
     query_lens = [s.num_new_tokens for s in scheduled]
     seq_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
-    tokens: list[int] = []
-    for s in scheduled:
-        tokens.extend(s.request.token_ids_between(s.start_pos, s.start_pos + s.num_new_tokens))
-    q_lens = torch.tensor(query_lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
-    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-    seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)
+    num_seqs = len(scheduled)
     starts = torch.tensor([s.start_pos for s in scheduled], dtype=torch.int64)
-    positions = starts[seq_idx] + (torch.arange(len(tokens)) - query_start_loc[:-1].long()[seq_idx])
+    if len(query_lens) == sum(query_lens):  # decode-only: one token per sequence
+        tokens = [s.request.token_ids_between(s.start_pos, s.start_pos + 1)[0] for s in scheduled]
+        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+        seq_idx, positions = torch.arange(num_seqs), starts
+    else:
+        tokens = []
+        for s in scheduled:
+            tokens.extend(s.request.token_ids_between(s.start_pos, s.start_pos + s.num_new_tokens))
+        q_lens = torch.tensor(query_lens, dtype=torch.int32)
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=len(tokens))
+        positions = starts[seq_idx] + (torch.arange(len(tokens)) - query_start_loc[:-1].long()[seq_idx])
     tables = [pad_tables([ids[g] for ids in block_ids]) for g in range(num_groups)]
     return HostBatch(torch.tensor(tokens, dtype=torch.long), positions, query_start_loc,
                      torch.tensor(seq_lens, dtype=torch.int32), tables, seq_idx, query_lens, seq_lens)

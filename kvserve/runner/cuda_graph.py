@@ -45,8 +45,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = [torch.zeros(n, width, dtype=torch.int32, device=device) for _ in range(num_groups)]
-        # Padding rows write their (unused) K/V into the null block's slot 0.
-        self.slot_mappings = [torch.zeros(n, dtype=torch.long, device=device) for _ in range(num_groups)]
+        # Padding rows have slot -1: the cache write skips them, so the null
+        # block's slot 0 stays zero (the torch backend gathers masked keys there).
+        self.slot_mappings = [torch.full((n,), -1, dtype=torch.long, device=device) for _ in range(num_groups)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -97,6 +98,6 @@ class DecodeGraphs:
             static[:n, table.shape[1]:].zero_()
             static[n:size].zero_()
             static_slots[:n].copy_(slot)
-            static_slots[n:size].zero_()
+            static_slots[n:size].fill_(-1)
         self.graphs[size].replay()
         return self.outputs[size][:n]

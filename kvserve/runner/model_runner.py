@@ -5,6 +5,9 @@ KV memory layout: the cache has `group_size` tensors of shape
 [2, num_blocks, block_size, num_kv_heads, head_dim]; layer j of every KV group
 uses tensor j. One block id therefore means "these slots in group g's layers",
 and blocks move freely between groups (see `cache/kv_cache_manager.py`).
+
+With a host tier, `kv_transfer` executes the block copies a step carries
+(`SchedulerOutput.kv_copies`) before that step's forward pass.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.runner.batch import ModelInputs, prepare_inputs
+from kvserve.cache.host_tier import BlockCopy
 from kvserve.runner.cuda_graph import DecodeGraphs
+from kvserve.runner.kv_transfer import KVTransfer
 from kvserve.runner.sampler import Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -57,6 +62,21 @@ class ModelRunner:
                           for _ in range(layout.group_size)]
         model.bind_kv_caches([self.kv_caches[slot] for slot in layout.layer_to_slot])
         self.graphs: DecodeGraphs | None = None
+        self.kv_transfer: KVTransfer | None = None
+
+    def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
+        """Host KV storage of `num_host_blocks` blocks and its copy executor."""
+        self.kv_transfer = KVTransfer(self.kv_caches, num_host_blocks, self.device)
+        return self.kv_transfer
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Run queued GPU<->host block copies; later GPU work is ordered after them."""
+        if not copies:
+            return
+        if self.kv_transfer is None:
+            raise RuntimeError("KV block copies were queued but no host tier is attached")
+        self.kv_transfer.run(copies)
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA graphs for decode batches (CUDA only; `enforce_eager` skips this)."""
@@ -68,6 +88,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids: list[list[list[int]]]) -> StepResult:
+        self.copy_blocks(out.kv_copies)  # before the forward: loads land, saves read old KV
         inputs = prepare_inputs(out.scheduled, block_ids, self.layout.block_size,
                                 self.layout.num_groups, self.device)
         return self._sample(inputs, self._forward(inputs))

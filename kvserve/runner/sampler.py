@@ -66,19 +66,24 @@ class Sampler:
     def _pack(self, ids: torch.Tensor, logprobs_all: torch.Tensor,
               params: list[SamplingParams]) -> SamplerOutput:
         want = max((p.logprobs or 0) for p in params)
-        sampled_lp = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
+        sampled_lp = logprobs_all.gather(1, ids.unsqueeze(1))
+        columns = [ids.unsqueeze(1).double(), sampled_lp.double()]
         if want:
             top_lp, top_ids = logprobs_all.topk(want, dim=-1)
-            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        ids_list, sampled_list = ids.tolist(), sampled_lp.tolist()
+            columns += [top_ids.double(), top_lp.double()]
+        # One device->host transfer per step (token ids are exact in float64).
+        host = torch.cat(columns, dim=1).tolist()
+        ids_list = [int(row[0]) for row in host]
+        sampled_list = [row[1] for row in host]
         logprobs: list[dict[int, float] | None] = []
-        for i, p in enumerate(params):
+        for row, p in zip(host, params):
             if p.logprobs is None:
                 logprobs.append(None)
                 continue
-            entry = {ids_list[i]: sampled_list[i]}
-            for tid, lp in zip(top_ids[i][:p.logprobs], top_lp[i][:p.logprobs]) if want else ():
-                entry.setdefault(tid, lp)
+            entry = {int(row[0]): row[1]}
+            top_ids, top_lps = row[2:2 + want], row[2 + want:]
+            for tid, lp in list(zip(top_ids, top_lps))[:p.logprobs]:
+                entry.setdefault(int(tid), lp)
             logprobs.append(entry)
         return SamplerOutput(ids_list, logprobs, sampled_list)
 

@@ -23,6 +23,8 @@ GAUGES = {
                                "Share of slots in held KV blocks that hold no token (0-1)."),
     "num_requests_running": ("kvserve:num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("kvserve:num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_host_usage_perc": ("kvserve:kv_host_usage_perc", "Fraction of host KV tier slots in use (0-1)."),
+    "num_requests_swapped": ("kvserve:num_requests_swapped", "Requests whose KV is swapped out to host."),
 }
 COUNTERS = {
     "prefix_cache_queries": ("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -31,6 +33,16 @@ COUNTERS = {
                            "Cached blocks evicted to make room for new allocations."),
     "num_preemptions": ("kvserve:num_preemptions", "Requests preempted (KV freed, recomputed later)."),
     "num_generation_tokens": ("kvserve:generation_tokens", "Tokens generated."),
+    "kv_host_hit_tokens": ("kvserve:kv_host_hit_tokens", "Prompt tokens whose KV was loaded from the host tier."),
+    "kv_host_blocks_to_host": ("kvserve:kv_host_blocks_to_host", "KV blocks copied GPU -> host."),
+    "kv_host_blocks_to_gpu": ("kvserve:kv_host_blocks_to_gpu", "KV blocks copied host -> GPU."),
+    "kv_host_bytes_to_host": ("kvserve:kv_host_bytes_to_host", "KV bytes copied GPU -> host."),
+    "kv_host_bytes_to_gpu": ("kvserve:kv_host_bytes_to_gpu", "KV bytes copied host -> GPU."),
+    "kv_host_load_wait_s": ("kvserve:kv_host_load_wait_seconds",
+                            "Time the forward pass waited for GPU<->host KV copies."),
+    "kv_host_swap_outs": ("kvserve:kv_host_swap_outs", "Preemptions that swapped a request's KV to host."),
+    "kv_host_swap_ins": ("kvserve:kv_host_swap_ins", "Swapped requests resumed from host KV."),
+    "kv_host_evictions": ("kvserve:kv_host_evictions", "Cached blocks evicted from the host tier."),
 }
 
 

@@ -1,0 +1,69 @@
+"""Fused elementwise kernels (Triton) against their torch compositions, which
+carry HF's exact numerics. GPU tests run on the device; the interpreter test
+runs the same kernels on CPU when Triton is installed."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvserve.model import fused_ops
+
+
+def _check_all(device: str, dtype: torch.dtype, tol: float) -> None:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    x, res, w = rand(37, 256), rand(37, 256), rand(256)
+    out, summed = fused_ops._rms_norm_triton(x, res, w, 1e-6)
+    ref_sum = x + res
+    _close(summed, ref_sum, tol)
+    _close(out, fused_ops._rms_norm_torch(ref_sum, w, 1e-6), tol)
+    _close(fused_ops._rms_norm_triton(x, None, w, 1e-6)[0], fused_ops._rms_norm_torch(x, w, 1e-6), tol)
+    gate_up = rand(37, 2 * 200)
+    gate, up = gate_up.split(200, dim=-1)
+    got = _silu_triton(gate_up)
+    _close(got, torch.nn.functional.silu(gate) * up, tol)
+    qkv = rand(37, (8 + 2 * 2) * 64)
+    q = qkv[:, :512].view(37, 8, 64)
+    k = qkv[:, 512:640].view(37, 2, 64)
+    positions = torch.randint(0, 4000, (37,), generator=g).to(device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)).to(device)
+    for weights in [(None, None), (rand(64), rand(64))]:
+        ref_q, ref_k = fused_ops._qk_norm_rope_torch(q.clone(), k.clone(), positions, inv_freq, *weights, 1e-6)
+        q2, k2 = q.clone(), k.clone()
+        _qk_triton(q2, k2, positions, inv_freq, *weights)
+        _close(q2, ref_q, tol)
+        _close(k2, ref_k, tol)
+
+
+def _silu_triton(gate_up):
+    half = gate_up.shape[-1] // 2
+    out = torch.full((gate_up.shape[0], half), float("nan"), dtype=gate_up.dtype, device=gate_up.device)
+    fused_ops._silu_mul_kernel[(gate_up.shape[0], 1)](gate_up, out, gate_up.stride(0), half, BLOCK=256)
+    return out
+
+
+def _qk_triton(q, k, positions, inv_freq, qw, kw):
+    fused_ops._qk_norm_rope_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
+        q, k, positions, inv_freq, qw if qw is not None else inv_freq, kw if kw is not None else inv_freq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q.shape[1], 1e-6,
+        HAS_NORM=qw is not None, HALF=q.shape[2] // 2)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert not torch.isnan(got).any()
+    err = (got.double() - ref.double()).norm() / ref.double().norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_fused_ops_match_torch_on_gpu(dtype, tol):
+    _check_all("cuda", dtype, tol)
+
+
+@pytest.mark.skipif(fused_ops.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs under TRITON_INTERPRET=1 with Triton installed")
+def test_fused_ops_under_interpreter():
+    _check_all("cpu", torch.float32, 1e-5)

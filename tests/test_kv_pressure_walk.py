@@ -1,0 +1,191 @@
+"""Random walks over both KV tiers: GPU pool + host tier, with evictions to
+host, host hits, swap-out/swap-in and recompute preemption.
+
+The walk simulates the KV contents of every GPU slot and host slot, executes
+the queued block copies in order before each computation (what the runner
+does before a forward), and checks that every key a query reads holds exactly
+the request's prefix. Integrity is checked after every operation.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvserve.cache.groups import make_kv_cache_groups
+from kvserve.cache.host_tier import HostTier
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+FULL = FullAttentionSpec()
+SPEC_SETS = {"full": [FULL, FULL], "hybrid": [FULL, SlidingWindowSpec(10), FULL, SlidingWindowSpec(17, sink=3)]}
+MAX_TOKENS = 90
+STEPS = 1200
+
+
+@dataclass
+class TierWalk:
+    manager: KVCacheManager
+    rng: random.Random
+    prefixes: list[list[int]]
+    running: dict[str, Request] = field(default_factory=dict)
+    waiting: list[Request] = field(default_factory=list)
+    history: list[list[int]] = field(default_factory=list)
+    gpu_kv: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    host_kv: dict[tuple[int, int], tuple[int, ...] | None] = field(default_factory=dict)
+    next_id: int = 0
+    stranded: int = 0
+
+    @property
+    def bs(self) -> int:
+        return self.manager.block_size
+
+
+def run_copies(walk: TierWalk) -> None:
+    """The runner's part: execute queued copies in order."""
+    for copy in walk.manager.take_pending_copies():
+        for offset in range(walk.bs):
+            gpu, host = (copy.gpu_block, offset), (copy.host_slot, offset)
+            if copy.to_host:
+                walk.host_kv[host] = walk.gpu_kv.get(gpu)
+            else:
+                value = walk.host_kv.get(host)
+                if value is None:
+                    walk.gpu_kv.pop(gpu, None)
+                else:
+                    walk.gpu_kv[gpu] = value
+
+
+def compute(walk: TierWalk, request: Request, num_new: int) -> None:
+    run_copies(walk)
+    start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+    tokens, bs = request.all_token_ids, walk.bs
+    for manager, ids in zip(walk.manager.managers, walk.manager.get_block_ids(request.request_id)):
+        for pos in range(start, end):
+            walk.gpu_kv[(ids[pos // bs], pos % bs)] = tuple(tokens[:pos + 1])
+        spec = manager.spec
+        for key in set(range(spec.visible_start(start), end)) | set(range(min(spec.sink, end))):
+            assert walk.gpu_kv.get((ids[key // bs], key % bs)) == tuple(tokens[:key + 1]), \
+                f"wrong KV for key {key} of {request.request_id} in {spec.describe()}"
+    request.num_computed_tokens = end
+    if end == request.num_tokens:
+        request.output_token_ids.append(walk.rng.randrange(40))
+
+
+def admit(walk: TierWalk, request: Request) -> None:
+    manager = walk.manager
+    computed, hit = manager.get_computed_blocks(request)
+    chunk = walk.rng.randint(1, request.num_tokens - hit)
+    if not manager.allocate_slots(request, chunk, computed):
+        return walk.waiting.append(request) if request.num_preemptions else None
+    manager.record_prefix_lookup(request, hit, computed)
+    request.num_computed_tokens = hit
+    walk.running[request.request_id] = request
+    compute(walk, request, chunk)
+
+
+def preempt(walk: TierWalk, request: Request) -> None:
+    if walk.manager.can_swap_out(request) and walk.rng.random() < 0.6:
+        walk.manager.swap_out(request)
+    else:
+        walk.manager.free(request)
+    del walk.running[request.request_id]
+    request.num_computed_tokens = 0
+    request.num_preemptions += 1
+    walk.waiting.append(request)
+
+
+def step(walk: TierWalk) -> None:
+    request = walk.rng.choice(list(walk.running.values()))
+    num_new = walk.rng.randint(1, min(request.num_tokens - request.num_computed_tokens, 20))
+    if walk.manager.allocate_slots(request, num_new):
+        compute(walk, request, num_new)
+    else:
+        preempt(walk, request)
+
+
+def finish(walk: TierWalk, request: Request, keep: bool) -> None:
+    walk.manager.free(request)
+    walk.running.pop(request.request_id, None)
+    if request in walk.waiting:
+        walk.waiting.remove(request)
+    if keep:
+        walk.history.append(request.all_token_ids)
+
+
+def random_op(walk: TierWalk) -> None:
+    rng = walk.rng
+    op = rng.choices(["new", "turn", "resume", "step", "preempt", "finish", "abort"],
+                     weights=[3, 3, 2, 10, 1, 2, 1])[0]
+    if op == "new" or (op == "turn" and not walk.history):
+        prefix = rng.choice(walk.prefixes)
+        walk.next_id += 1
+        prompt = prefix[:rng.randint(1, len(prefix))] + [rng.randrange(40) for _ in range(rng.randint(0, 9))]
+        admit(walk, Request(f"r{walk.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+    elif op == "turn":
+        walk.next_id += 1
+        prompt = rng.choice(walk.history)[:MAX_TOKENS - 10] + [rng.randrange(40) for _ in range(rng.randint(1, 8))]
+        admit(walk, Request(f"r{walk.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+    elif op == "resume" and walk.waiting:
+        admit(walk, walk.waiting.pop(0))
+    elif op == "step" and walk.running:
+        step(walk)
+    elif op == "preempt" and walk.running:
+        preempt(walk, rng.choice(list(walk.running.values())))
+    elif op in ("finish", "abort") and (walk.running or walk.waiting):
+        finish(walk, rng.choice(list(walk.running.values()) + walk.waiting), keep=op == "finish")
+    for request in list(walk.running.values()):
+        if request.num_tokens >= MAX_TOKENS:
+            finish(walk, request, keep=True)
+
+
+def watch_evictions(walk: TierWalk) -> None:
+    """Count evictions of a parent while a free cached leaf could have gone."""
+    pool, save = walk.manager.pool, walk.manager.pool.on_evict
+
+    def on_evict(block):
+        if block.num_children and any(b.num_children == 0 for b in pool.free_queue):
+            walk.stranded += 1
+        save(block)
+    pool.on_evict = on_evict
+
+
+def run_walk(spec_set: str, policy: str, block_size: int, host_blocks: int, seed: int) -> TierWalk:
+    groups = make_kv_cache_groups(SPEC_SETS[spec_set])
+    num_blocks = len(groups) * 140 // block_size + 6
+    manager = KVCacheManager(groups, num_blocks, block_size, eviction_policy=policy,
+                             host_tier=HostTier(host_blocks, 1))
+    rng = random.Random(seed)
+    walk = TierWalk(manager, rng, [[rng.randrange(40) for _ in range(50)] for _ in range(3)])
+    watch_evictions(walk)
+    for _ in range(STEPS):
+        random_op(walk)
+        manager.check_integrity()
+    for request in list(walk.running.values()) + list(walk.waiting):
+        finish(walk, request, keep=False)
+    run_copies(walk)
+    manager.check_integrity()
+    assert manager.num_free_blocks == num_blocks - 1 and not manager._swapped
+    assert manager.host_tier.num_cached == manager.host_tier.num_blocks - manager.host_tier._free_slots.__len__()
+    return walk
+
+
+@pytest.mark.parametrize("spec_set", sorted(SPEC_SETS))
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_two_tier_random_walk(spec_set: str, policy: str) -> None:
+    walk = run_walk(spec_set, policy, block_size=4, host_blocks=60, seed=len(spec_set) + len(policy))
+    manager = walk.manager
+    assert manager.host_hit_tokens > 0, "the walk never hit the host tier"
+    assert manager.num_swap_outs > 0 and manager.num_swap_ins > 0
+    assert manager.host_tier.num_evictions > 0, "the host tier never filled"
+    if policy == "reuse":
+        assert walk.stranded == 0
+
+
+def test_lru_does_strand_children() -> None:
+    """The check above is not vacuous: plain LRU evicts parents of free leaves."""
+    walk = run_walk("full", "lru", block_size=4, host_blocks=60, seed=3)
+    assert walk.stranded > 0
