@@ -49,10 +49,12 @@ def test_same_outputs_under_chunking_and_preemption(checkpoints, kind, block_siz
     twice = prompts + prompts[:3]
     # A pool of ~2.5 peak-size requests forces preemption; a 24-token budget
     # forces every prompt longer than 24 tokens to prefill in chunks.
-    probe = LLM(str(path), dtype="float32", device="cpu", block_size=block_size)
-    per_request = probe.engine.kv_cache.num_blocks_needed(max(LENGTHS) + NEW_TOKENS)
+    max_len = max(LENGTHS) + NEW_TOKENS
+    probe = LLM(str(path), dtype="float32", device="cpu", block_size=block_size, max_model_len=max_len)
+    per_request = probe.engine.kv_cache.num_blocks_needed(max_len)
     got, metrics = _generate(path, twice, block_size=block_size, enable_prefix_caching=prefix_caching,
-                             max_num_batched_tokens=24, num_kv_blocks=1 + (5 * per_request) // 2)
+                             max_num_batched_tokens=24, num_kv_blocks=1 + (5 * per_request) // 2,
+                             max_model_len=max_len)
     assert got == expected + expected[:3]
     assert metrics["num_preemptions"] > 0
     assert metrics["kv_cache_usage_perc"] == 0.0

@@ -169,7 +169,7 @@ def run_walk(spec_set: str, policy: str, block_size: int, host_blocks: int, seed
     run_copies(walk)
     manager.check_integrity()
     assert manager.num_free_blocks == num_blocks - 1 and not manager._swapped
-    assert manager.host_tier.num_cached == manager.host_tier.num_blocks - manager.host_tier._free_slots.__len__()
+    assert manager.host_tier.num_free_for_swap() == manager.host_tier.num_blocks  # no private slot left
     return walk
 
 
