@@ -29,13 +29,11 @@ class TorchReferenceBackend:
                 kv_cache: torch.Tensor, layer: AttentionLayerInfo,
                 meta: AttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mappings[layer.group_id])
-        mask, slots, seq_idx, q_idx = _batch_layout(layer, meta, kv_cache.shape[2])
+        mask, slots, seq_idx, q_idx = _batch_layout(layer, meta, kv_cache.shape[2], q.dtype)
         # One gather through flat slots; keys no query may see (NULL blocks, past
         # the sequence end: garbage, maybe NaN, which would poison SDPA even when
         # masked) read slot 0 of the null block instead, which stays zero.
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]
-        values = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
+        keys, values = _gather(kv_cache[0], slots), _gather(kv_cache[1], slots)
         q_pad = _pad_queries(q, meta, seq_idx, q_idx)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -47,8 +45,8 @@ class TorchReferenceBackend:
         return out[seq_idx, q_idx]
 
 
-def _batch_layout(layer: AttentionLayerInfo, meta: AttentionMetadata, block_size: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch_layout(layer: AttentionLayerInfo, meta: AttentionMetadata, block_size: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mask, gather slots and token coordinates: the same for every layer of a
     group, so computed once per batch and kept in `meta.scratch`."""
     key = ("torch_ref", layer.group_id, layer.spec)
@@ -60,6 +58,8 @@ def _batch_layout(layer: AttentionLayerInfo, meta: AttentionMetadata, block_size
         slots = gather_slots(meta.block_tables[layer.group_id], block_size, num_keys)
         slots = torch.where(key_visible, slots, ZERO_SLOT)
         mask = _open_padding_rows(mask, key_visible, query_lens)
+        # An additive mask takes a faster SDPA path on CPU than a boolean one.
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         seq_idx, q_idx = _token_coordinates(meta, query_lens)
         meta.scratch[key] = (mask, slots, seq_idx, q_idx)
     return meta.scratch[key]
@@ -73,6 +73,13 @@ def gather_slots(block_table: torch.Tensor, block_size: int, num_keys: int) -> t
                          f"need {num_blocks} blocks of {block_size}")
     pos = torch.arange(num_keys, device=block_table.device)
     return block_table[:, :num_blocks].long()[:, pos // block_size] * block_size + pos % block_size
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[B, L, KVH, D] from one half of the cache; index_select is ~2x faster
+    than advanced indexing on CPU."""
+    flat = cache.view(-1, *cache.shape[-2:])
+    return torch.index_select(flat, 0, slots.view(-1)).view(*slots.shape, *cache.shape[-2:])
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -15,7 +15,8 @@ def add_bench_parser(sub: Any) -> None:
     tp.add_argument("--input-len", type=int, default=128)
     tp.add_argument("--output-len", type=int, default=64)
     tp.add_argument("--baseline", choices=["hf", "vllm"], default=None)
-    tp.add_argument("--latency", action="store_true", help="batch-1 decode latency mode")
+    tp.add_argument("--latency", action="store_true", help="batch-1 decode latency mode (1 x 128 in / 256 out)")
+    tp.add_argument("--repeats", type=int, default=2, help="timed runs per engine; the best is reported")
     tp.set_defaults(func=_run_throughput)
     _add_serve_bench(kinds)
 
