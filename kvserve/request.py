@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from kvserve.sampling_params import SamplingParams
 
 
+# Placeholder for a token sampled on the device but not yet copied to the host.
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,6 +41,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by a launched step whose ids have not reached the host yet:
+    # the next step already computes on them (the engine pipelines one step).
+    num_pending_tokens: int = 0
     # KV for all_token_ids[:num_computed_tokens] is in the cache.
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at first admission.
@@ -61,13 +68,13 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list (hot path)."""
+        """Token ids at positions [start, end) without building the whole list
+        (hot path); positions of pending tokens read PENDING_TOKEN."""
         n = len(self.prompt_token_ids)
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        known = self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
+        return known + [PENDING_TOKEN] * (end - start - len(known))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,7 +86,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens plus sampled ones still on the device (pipelined steps)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (what block hashes may cover)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def can_grow(self) -> bool:
+        """False once the tokens already sampled (pending ones included) reach max_tokens."""
+        return len(self.output_token_ids) + self.num_pending_tokens < self.sampling_params.max_tokens
 
     @property
     def max_total_tokens(self) -> int:

@@ -133,6 +133,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not request.can_grow:  # its last token is in flight; it finishes when that lands
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # `request` itself was preempted; everything after it too.
@@ -195,5 +198,11 @@ class Scheduler:
             item.request.num_computed_tokens = item.start_pos + item.num_new_tokens
 
     def remove_finished(self, request: Request, status: RequestStatus) -> None:
-        self.running.remove(request)
+        """Finish a request wherever it is: with pipelined steps, a stop can land
+        after the request was preempted back to the waiting queue."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.num_pending_tokens = 0
         self.finish(request, status)

@@ -34,7 +34,7 @@ def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = (
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes = request.block_hashes
-    num_full = request.num_tokens // block_size
+    num_full = request.num_known_tokens // block_size  # never a pending (unknown) token
     if len(hashes) >= num_full:
         return
     token_ids = request.all_token_ids  # built once: the property concatenates

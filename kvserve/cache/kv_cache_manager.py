@@ -103,6 +103,8 @@ class KVCacheManager:
         self._swapped: dict[str, SwappedKV] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Whether any group frees blocks as queries move (then no step is a no-op).
+        self._drops_blocks = any(m.drops_blocks for m in self.managers)
         self.host_hit_tokens = 0
         self.num_swap_outs = 0
         self.num_swap_ins = 0
@@ -212,6 +214,8 @@ class KVCacheManager:
             self._check_hit_usable(request, hit)
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         total = first_query_pos + num_new_tokens
+        if hit is None and self._fits_in_held_blocks(request, total):
+            return True  # the common decode step: nothing to allocate, free or cache
         if not self._can_allocate(request.request_id, hit, first_query_pos, total):
             return False
         self._apply_allocation(request.request_id, hit, first_query_pos, total)
@@ -220,6 +224,21 @@ class KVCacheManager:
             self.num_swap_ins += 1
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, total)
+        return True
+
+    def _fits_in_held_blocks(self, request: Request, total: int) -> bool:
+        """True when every group already covers `total` tokens, no sliding group
+        would drop a block, and no block becomes full: then allocation is a no-op.
+        Checked first because it is what most decode steps are (hot path)."""
+        if self._drops_blocks or total % self.block_size == 0:
+            return False
+        blocks_needed = -(-total // self.block_size)
+        known_full = request.num_known_tokens // self.block_size if self.enable_prefix_caching else 0
+        rid = request.request_id
+        if any(len(m.blocks(rid)) < blocks_needed or m.num_cached_blocks.get(rid, 0) < known_full
+               for m in self.managers):
+            return False
+        self._num_tokens[request.request_id] = total
         return True
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
@@ -297,7 +316,7 @@ class KVCacheManager:
                                      "before allocate_slots for the same request")
 
     def _cache_full_blocks(self, request: Request, total: int) -> None:
-        num_known = min(total, request.num_tokens)
+        num_known = min(total, request.num_known_tokens)
         pending = [m for m in self.managers
                    if m.num_cached_blocks.get(request.request_id, 0) < num_known // self.block_size]
         if not pending:

@@ -26,6 +26,9 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeManager:
     """Shared bookkeeping; subclasses supply the attention-type policy."""
 
+    # Whether this type frees blocks as queries move on (sliding windows do).
+    drops_blocks = True
+
     def __init__(self, spec: AttentionSpec, pool: BlockPool, block_size: int,
                  group_id: int, host_tier: HostTier | None = None) -> None:
         self.spec = spec
@@ -126,6 +129,8 @@ def block_content(block_hashes: Sequence[bytes], token_ids: Sequence[int], index
 class FullAttentionManager(SingleTypeManager):
     """Every key stays visible: keep all blocks; hits are prefix-closed."""
 
+    drops_blocks = False
+
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                                max_length: int) -> list[HitBlock]:
         hit: list[HitBlock] = []
@@ -142,6 +147,8 @@ class SlidingWindowManager(SingleTypeManager):
 
     A query at p sees key k iff k <= p and (p - k < window or k < sink).
     """
+
+    drops_blocks = True
 
     spec: SlidingWindowSpec
 

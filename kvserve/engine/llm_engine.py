@@ -13,7 +13,7 @@ from kvserve.engine.builder import EngineParts, build_engine_parts
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.runner.model_runner import StepResult
+from kvserve.runner.model_runner import InFlightStep, StepResult
 
 
 class LLMEngine:
@@ -28,6 +28,7 @@ class LLMEngine:
         self.runner = parts.runner
         self.eos_token_ids = parts.eos_token_ids
         self.requests: dict[str, Request] = {}
+        self._in_flight: InFlightStep | None = None
         self._ids = itertools.count()
         self.stats = EngineStats()
 
@@ -85,21 +86,35 @@ class LLMEngine:
 
     # -- the step loop -----------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that got a new token."""
+        """Launch the next step, then finish the one before it.
+
+        Steps are pipelined one deep: step N+1 is scheduled and queued on the
+        device before step N's sampled ids are read back, so host work (the
+        scheduler, batch building, stop checks) overlaps device work. Returns
+        the requests that got a new token.
+        """
         out = self.scheduler.schedule()
         if out.is_empty:
             self.runner.copy_blocks(out.kv_copies)  # a swap-out with nothing scheduled
-            return []
+            return self._finish_in_flight(None)
         start = time.monotonic()
         block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
-        result = self.runner.execute(out, block_ids)
+        launched = self.runner.launch(out, block_ids, self._in_flight)
         self.scheduler.update_after_step(out)
+        for item in launched.rows:
+            item.request.num_pending_tokens += 1
+        touched = self._finish_in_flight(launched)
         self.stats.record_step(out, time.monotonic() - start)
         self._observe_rates()
-        return self._process(result)
+        return touched
+
+    def _finish_in_flight(self, launched: InFlightStep | None) -> list[Request]:
+        """Resolve the step in flight (if any) and make `launched` the new one."""
+        previous, self._in_flight = self._in_flight, launched
+        return self._process(previous.resolve()) if previous is not None else []
 
     def _observe_rates(self) -> None:
         """Feed measured prefill and copy rates to the swap-or-recompute choice."""
@@ -113,6 +128,9 @@ class LLMEngine:
         touched = []
         for i, item in enumerate(result.rows):
             request = item.request
+            if request.is_finished:  # stopped or aborted while this step was in flight
+                continue
+            request.num_pending_tokens -= 1
             self._append_token(request, result, i, now)
             status = self._check_stop(request)
             if status is not None:
@@ -143,7 +161,7 @@ class LLMEngine:
         if params.stop_strings and self._hit_stop_string(request):
             return RequestStatus.FINISHED_STOPPED
         if (request.num_output_tokens >= params.max_tokens
-                or request.num_tokens >= self.scheduler_config.max_model_len):
+                or request.num_prompt_tokens + request.num_output_tokens >= self.scheduler_config.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 

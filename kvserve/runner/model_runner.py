@@ -19,7 +19,8 @@ from kvserve.runner.batch import ModelInputs, prepare_inputs
 from kvserve.cache.host_tier import BlockCopy
 from kvserve.runner.cuda_graph import DecodeGraphs
 from kvserve.runner.kv_transfer import KVTransfer
-from kvserve.runner.sampler import Sampler, SamplerOutput
+from kvserve.request import PENDING_TOKEN
+from kvserve.runner.sampler import PendingSample, Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -87,11 +88,40 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids: list[list[list[int]]]) -> StepResult:
+    def launch(self, out: SchedulerOutput, block_ids: list[list[list[int]]],
+               previous: "InFlightStep | None" = None) -> "InFlightStep":
+        """Queue one step's forward and sampling without waiting for the device.
+
+        Tokens still pending from `previous` (sampled there, not yet on the
+        host) are gathered from its device ids, so the host never waits for
+        step N before launching step N+1.
+        """
         self.copy_blocks(out.kv_copies)  # before the forward: loads land, saves read old KV
         inputs = prepare_inputs(out.scheduled, block_ids, self.layout.block_size,
                                 self.layout.num_groups, self.device)
-        return self._sample(inputs, self._forward(inputs))
+        self._fill_pending(inputs, out, previous)
+        hidden = self._forward(inputs)
+        if not inputs.sampling_rows:
+            return InFlightStep([], None)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        params = [s.request.sampling_params for s in inputs.sampling_rows]
+        ids = [s.request.request_id for s in inputs.sampling_rows]
+        return InFlightStep(inputs.sampling_rows, self.sampler.sample(logits, params, ids))
+
+    def execute(self, out: SchedulerOutput, block_ids: list[list[list[int]]]) -> StepResult:
+        """Launch and wait: one step, unpipelined."""
+        return self.launch(out, block_ids).resolve()
+
+    def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
+        flat = (inputs.host.input_ids == PENDING_TOKEN).nonzero().flatten()
+        if not len(flat):
+            return
+        if previous is None or previous.sample is None:
+            raise RuntimeError("a scheduled token is pending but no step is in flight")
+        seq = inputs.host.seq_idx[flat].tolist()
+        rows = [previous.row_of[out.scheduled[i].request.request_id] for i in seq]
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        inputs.input_ids[flat.to(self.device)] = previous.sample.token_ids[index]
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         meta = inputs.meta
@@ -100,10 +130,17 @@ class ModelRunner:
                                    inputs.input_ids, inputs.positions, meta.seq_lens)
         return self.model(inputs.input_ids, inputs.positions, meta)
 
-    def _sample(self, inputs: ModelInputs, hidden: torch.Tensor) -> StepResult:
-        if not inputs.sampling_rows:
+
+class InFlightStep:
+    """A launched step: which requests sample, and their pending sample."""
+
+    def __init__(self, rows: list[ScheduledRequest], sample: PendingSample | None) -> None:
+        self.rows = rows
+        self.sample = sample
+        self.row_of = {s.request.request_id: i for i, s in enumerate(rows)}
+
+    def resolve(self) -> StepResult:
+        """Wait for this step's sampled ids on the host."""
+        if self.sample is None:
             return StepResult([], SamplerOutput([], [], []))
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        params = [s.request.sampling_params for s in inputs.sampling_rows]
-        ids = [s.request.request_id for s in inputs.sampling_rows]
-        return StepResult(inputs.sampling_rows, self.sampler.sample(logits, params, ids))
+        return StepResult(self.rows, self.sample.resolve())

@@ -30,14 +30,22 @@ class Sampler:
         self._request_generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               request_ids: list[str]) -> SamplerOutput:
+               request_ids: list[str]) -> "PendingSample":
+        """Launch sampling; the ids stay on the device (`token_ids`) for the next
+        step, and one packed copy heads to the host behind an event."""
         logits = logits.float()
         logprobs_all = torch.log_softmax(logits, dim=-1)
         if all(p.is_greedy for p in params):
             ids = logits.argmax(dim=-1)
         else:
             ids = self._sample_mixed(logits, params, request_ids)
-        return self._pack(ids, logprobs_all, params)
+        want = max((p.logprobs or 0) for p in params)
+        columns = [ids.unsqueeze(1).double(), logprobs_all.gather(1, ids.unsqueeze(1)).double()]
+        if want:
+            top_lp, top_ids = logprobs_all.topk(want, dim=-1)
+            columns += [top_ids.double(), top_lp.double()]
+        # Token ids are exact in float64, so one tensor carries everything.
+        return PendingSample(ids, _to_host_async(torch.cat(columns, dim=1)), params, want)
 
     def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
                       request_ids: list[str]) -> torch.Tensor:
@@ -63,29 +71,44 @@ class Sampler:
             self._request_generators[request_id] = gen
         return gen
 
-    def _pack(self, ids: torch.Tensor, logprobs_all: torch.Tensor,
-              params: list[SamplingParams]) -> SamplerOutput:
-        want = max((p.logprobs or 0) for p in params)
-        sampled_lp = logprobs_all.gather(1, ids.unsqueeze(1))
-        columns = [ids.unsqueeze(1).double(), sampled_lp.double()]
-        if want:
-            top_lp, top_ids = logprobs_all.topk(want, dim=-1)
-            columns += [top_ids.double(), top_lp.double()]
-        # One device->host transfer per step (token ids are exact in float64).
-        host = torch.cat(columns, dim=1).tolist()
-        ids_list = [int(row[0]) for row in host]
-        sampled_list = [row[1] for row in host]
+
+
+class PendingSample:
+    """A launched sampling step: device ids now, host values on `resolve()`."""
+
+    def __init__(self, token_ids: torch.Tensor, host: tuple[torch.Tensor, torch.cuda.Event | None],
+                 params: list[SamplingParams], num_top: int) -> None:
+        self.token_ids = token_ids
+        self._host, self._ready = host
+        self._params = params
+        self._num_top = num_top
+
+    def resolve(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        rows = self._host.tolist()
         logprobs: list[dict[int, float] | None] = []
-        for row, p in zip(host, params):
+        for row, p in zip(rows, self._params):
             if p.logprobs is None:
                 logprobs.append(None)
                 continue
             entry = {int(row[0]): row[1]}
-            top_ids, top_lps = row[2:2 + want], row[2 + want:]
-            for tid, lp in list(zip(top_ids, top_lps))[:p.logprobs]:
+            top = list(zip(row[2:2 + self._num_top], row[2 + self._num_top:]))
+            for tid, lp in top[:p.logprobs]:
                 entry.setdefault(int(tid), lp)
             logprobs.append(entry)
-        return SamplerOutput(ids_list, logprobs, sampled_list)
+        return SamplerOutput([int(r[0]) for r in rows], logprobs, [r[1] for r in rows])
+
+
+def _to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start a device->host copy into pinned memory; the event marks its end."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
