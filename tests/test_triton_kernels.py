@@ -44,6 +44,7 @@ def _build_batch(seqs, spec, block_size, heads, kv_heads, head_dim, device, gen,
     num_blocks = 1 + sum(blocks_per_seq) + 3
     kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"),
                           dtype=dtype, device=device)
+    kv_cache[:, 0, 0] = 0  # the runner's contract: slot 0 of the null block stays zero
     free_ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int32)
     slots = []
