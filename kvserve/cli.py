@@ -21,6 +21,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=0.0,
+                   help="host-memory KV tier for evicted prefix blocks and swapped requests (0: off)")
+    p.add_argument("--eviction-policy", default="lru", choices=["lru", "reuse"],
+                   help="GPU prefix-block eviction order (reuse: leaves first, never-hit blocks first)")
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -30,7 +35,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 max_model_len=a.max_model_len, num_kv_blocks=a.num_kv_blocks,
                 kv_cache_memory_gb=a.kv_cache_memory_gb, gpu_memory_utilization=a.gpu_memory_utilization,
-                enforce_eager=a.enforce_eager, seed=a.seed)
+                enforce_eager=a.enforce_eager, seed=a.seed, cpu_kv_cache_gb=a.cpu_kv_cache_gb,
+                eviction_policy=a.eviction_policy, preemption_mode=a.preemption_mode)
 
 
 def _sampling(a: argparse.Namespace):

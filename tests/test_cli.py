@@ -1,0 +1,27 @@
+"""The `kvserve` command line: generate prints a completion, bad input exits 2
+with a message naming the value."""
+from __future__ import annotations
+
+from kvserve.cli import main
+from tests.tiny_models import save_tiny_checkpoint
+
+
+def test_generate_prints_completion(capsys):
+    assert main(["generate", "The capital of France is", "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out and "Paris" in out
+
+
+def test_bad_input_exits_with_clear_error(capsys, tmp_path):
+    assert main(["generate", "hi", "--max-tokens", "0"]) == 2
+    assert "max_tokens must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_bench_throughput_runs(capsys, tmp_path):
+    path = save_tiny_checkpoint("llama", tmp_path / "llama")
+    assert main(["bench", "throughput", "--model", str(path), "--num-prompts", "3", "--input-len", "12",
+                 "--output-len", "5", "--repeats", "1", "--baseline", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert "kvserve" in out and "hf-transformers" in out and "ratio kvserve / hf-transformers" in out
