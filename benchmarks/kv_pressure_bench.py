@@ -1,0 +1,96 @@
+"""KV-pressure comparison (issue 4): multi-turn code review and IDE completion on the
+Qwen3-8B shape (dummy weights) under a KV cap, for kvserve or vLLM (same prompts).
+
+  python3 benchmarks/kv_pressure_bench.py --engine kvserve|vllm --workload code-review|ide [--cap-tokens 65536]
+
+Code review: 24 conversations x 4 turns; turn 1 ~1.5K tokens, each later turn resends the
+history (prompt + previous output) plus ~400 new tokens; 300 output tokens per turn
+(ignore_eos). All conversations' turn t run as one generate() batch. IDE: 768 requests over
+48 file prefixes of ~700 tokens, ~190 unique tokens each, 127 output tokens, one batch.
+Hit rate = sum of per-request cached tokens / sum of prompt tokens. Prints one RESULT line.
+"""
+import argparse, json, os, random, sys, time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def rand_tokens(rng, n):
+    return [rng.randrange(100, 100000) for _ in range(n)]
+
+
+def make_engine(args):
+    if args.engine == "vllm":
+        from vllm import LLM, SamplingParams
+        from transformers import Qwen3Config
+        d = "/tmp/qwen3-8b-dummy"
+        os.makedirs(d, exist_ok=True)
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+        cfg.save_pretrained(d)
+        extra = {"num_gpu_blocks_override": args.cap_tokens // 16} if args.cap_tokens else {}
+        llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=8192,
+                  gpu_memory_utilization=0.85, seed=0, enable_prefix_caching=True, **extra)
+        return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+    sys.path.insert(0, os.getcwd())
+    from kvserve import LLM, SamplingParams
+    kw = {"num_kv_blocks": args.cap_tokens // 16 + 1} if args.cap_tokens else {}
+    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85,
+              max_num_batched_tokens=16384, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+              eviction_policy=args.eviction_policy, **kw)
+    return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run_batches(llm, sp, batches_fn):
+    cached = prompt = 0
+    start = time.perf_counter()
+    for prompts, out_len, on_done in batches_fn():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp(out_len), use_tqdm=False)
+        for o in outs:
+            cached += o.num_cached_tokens or 0
+            prompt += len(o.prompt_token_ids)
+        on_done(outs)
+    return time.perf_counter() - start, cached, prompt
+
+
+def code_review(rng):
+    histories = [rand_tokens(rng, rng.randint(1300, 1700)) for _ in range(24)]
+    def batches():
+        for turn in range(4):
+            def done(outs):
+                for i, o in enumerate(outs):
+                    histories[i] = histories[i] + list(o.outputs[0].token_ids) + rand_tokens(rng, rng.randint(350, 450))
+            yield [list(h) for h in histories], 300, done
+    return batches
+
+
+def ide(rng):
+    prefixes = [rand_tokens(rng, rng.randint(600, 800)) for _ in range(48)]
+    prompts = [prefixes[rng.randrange(48)] + rand_tokens(rng, rng.randint(160, 220)) for _ in range(768)]
+    return lambda: iter([(prompts, 127, lambda outs: None)])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["kvserve", "vllm"], required=True)
+    ap.add_argument("--workload", choices=["code-review", "ide"], default="code-review")
+    ap.add_argument("--cap-tokens", type=int, default=65536)
+    ap.add_argument("--cpu-kv-cache-gb", type=float, default=0.0)
+    ap.add_argument("--eviction-policy", default="lru")
+    args = ap.parse_args()
+    llm, sp = make_engine(args)
+    llm.generate([{"prompt_token_ids": [101] * 16}], sp(2), use_tqdm=False)  # warm-up
+    rng = random.Random(0)
+    batches = code_review(rng) if args.workload == "code-review" else ide(rng)
+    seconds, cached, prompt = run_batches(llm, sp, batches)
+    res = {"engine": args.engine, "workload": args.workload, "cap_tokens": args.cap_tokens,
+           "cpu_kv_cache_gb": args.cpu_kv_cache_gb, "eviction_policy": args.eviction_policy,
+           "seconds": round(seconds, 2), "hit_rate": round(cached / prompt, 3), "prompt_tokens": prompt}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
