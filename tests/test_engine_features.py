@@ -37,17 +37,19 @@ def test_shared_prefix_reports_cached_tokens(llm):
 
 
 def test_multi_turn_hits_previous_turn(llm):
-    history = random_prompts([40], seed=12)[0]
+    """Each turn resends the whole history; it must hit >= 90% of the previous
+    turn's tokens (its prompt and its output)."""
+    history = random_prompts([100], seed=12)[0]
     before = llm.get_metrics()["prefix_cache_hits"]
     hits = 0
     for turn in range(4):
         out = _gen(llm, [history])[0]
         if turn:
-            assert out.num_cached_tokens >= 0.9 * previous_len - 8  # full blocks of the previous turn
-            assert out.num_cached_tokens >= 0.9 * previous_len or previous_len < 80
+            assert out.num_cached_tokens >= 0.9 * previous_turn_tokens
             hits += out.num_cached_tokens
-        previous_len = len(history)
+        previous_turn_tokens = len(history) + len(out.outputs[0].token_ids)
         history = history + out.outputs[0].token_ids + random_prompts([12], seed=20 + turn)[0]
+    assert hits > 0
     assert llm.get_metrics()["prefix_cache_hits"] - before == hits
 
 

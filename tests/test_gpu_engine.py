@@ -60,14 +60,16 @@ def test_cuda_graph_replay_equals_eager_for_random_batch_sizes(tmp_path):
         assert a == b, f"trial {trial}, batch {n}"
 
 
-def test_graph_replay_bf16_logits_close(tmp_path):
-    """Same decode batch through the captured graph and eagerly: hidden states agree."""
+def test_capture_sizes_and_bf16_graph_generation(tmp_path):
+    """Graphs are captured for 1, 2, 4, 8 and multiples of 8 up to max_num_seqs,
+    and a bf16 batch decodes through them to the requested length."""
     path = save_tiny_checkpoint("llama", tmp_path / "l")
     llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=16, kv_cache_memory_gb=1)
     runner = llm.engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in random_prompts([20] * 5)], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts([20] * 5)], params, use_tqdm=False)
     assert sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
 
 
 def test_memory_planning_fills_kv_and_rejects_impossible_settings(tmp_path):

@@ -9,6 +9,8 @@ and a manager here, registered in `MANAGER_FOR_SPEC`.
 """
 from __future__ import annotations
 
+import abc
+
 from collections.abc import Sequence
 
 from kvserve.cache.block_pool import BlockContent, BlockPool, KVBlock
@@ -23,7 +25,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class SingleTypeManager:
+class SingleTypeManager(abc.ABC):
     """Shared bookkeeping; subclasses supply the attention-type policy."""
 
     # Whether this type frees blocks as queries move on (sliding windows do).
@@ -41,10 +43,10 @@ class SingleTypeManager:
         self.num_cached_blocks: dict[str, int] = {}
 
     # ---- policy hooks -------------------------------------------------
+    @abc.abstractmethod
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                                max_length: int) -> list[HitBlock]:
         """Hit blocks (NULL where not needed) of the longest valid hit <= max_length."""
-        raise NotImplementedError
 
     def skippable_blocks(self, request_id: str, first_query_pos: int) -> list[int]:
         """Table indices this type will never read again once queries start at
