@@ -67,7 +67,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if a.system:
         history.append({"role": "system", "content": a.system})
     print("kvserve chat — empty line or Ctrl-D to quit.", file=sys.stderr)
-    for line in sys.stdin if not sys.stdin.isatty() else iter(lambda: input("> "), None):
+    for line in _user_lines():
         line = line.strip()
         if not line:
             break
@@ -76,6 +76,18 @@ def cmd_chat(a: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
         print(reply, flush=True)
     return 0
+
+
+def _user_lines():
+    """Lines from a pipe, or prompted lines from a terminal until Ctrl-D."""
+    if not sys.stdin.isatty():
+        yield from sys.stdin
+        return
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:
+            return
 
 
 def build_parser() -> argparse.ArgumentParser:
