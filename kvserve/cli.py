@@ -54,7 +54,13 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from kvserve.entrypoints.llm import LLM
     llm = LLM(**engine_kwargs(a))
-    outputs = llm.generate(a.prompts, _sampling(a), use_tqdm=len(a.prompts) > 1)
+    tok = llm.get_tokenizer()
+    if not a.raw and tok is not None and getattr(tok, "chat_template", None):
+        # Instruct models answer a question only inside their chat template.
+        conversations = [[{"role": "user", "content": p}] for p in a.prompts]
+        outputs = llm.chat(conversations, _sampling(a), use_tqdm=len(a.prompts) > 1)
+    else:
+        outputs = llm.generate(a.prompts, _sampling(a), use_tqdm=len(a.prompts) > 1)
     for out in outputs:
         print(out.outputs[0].text if len(outputs) == 1 else f"[{out.request_id}] {out.outputs[0].text}")
     return 0
@@ -95,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
     gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--raw", action="store_true",
+                     help="complete the text as is (default: wrap it in the model's chat template, if any)")
     add_engine_args(gen)
     _add_sampling_args(gen, max_tokens=64)
     gen.set_defaults(func=cmd_generate)

@@ -7,9 +7,10 @@ from tests.tiny_models import save_tiny_checkpoint
 
 
 def test_generate_prints_completion(capsys):
-    assert main(["generate", "The capital of France is", "--max-tokens", "6"]) == 0
-    out = capsys.readouterr().out.strip()
-    assert out and "Paris" in out
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "16"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert main(["generate", "The capital of France is", "--max-tokens", "6", "--raw"]) == 0
+    assert "Paris" in capsys.readouterr().out
 
 
 def test_bad_input_exits_with_clear_error(capsys, tmp_path):
