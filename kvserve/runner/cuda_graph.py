@@ -16,7 +16,6 @@ import logging
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.runner.batch import HostBatch
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +81,10 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, host: HostBatch, device_tables: list[torch.Tensor], slots: list[torch.Tensor],
+    def run(self, device_tables: list[torch.Tensor], slots: list[torch.Tensor],
             input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Replay for a decode batch; every static buffer row up to the padded size is rewritten."""
-        n = len(host.query_lens)
+        n = input_ids.shape[0]  # decode: one token per sequence
         size = self.padded_size(n)
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()

@@ -126,7 +126,7 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         meta = inputs.meta
         if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(meta.num_seqs):
-            return self.graphs.run(inputs.host, meta.block_tables, meta.slot_mappings,
+            return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens)
         return self.model(inputs.input_ids, inputs.positions, meta)
 
