@@ -1,13 +1,16 @@
-"""KV-pressure comparison (issue 4): multi-turn code review and IDE completion on the
-Qwen3-8B shape (dummy weights) under a KV cap, for kvserve or vLLM (same prompts).
+"""Same-session comparison driver, kvserve or vLLM on the Qwen3-8B shape (dummy weights),
+same prompts for both: issue 4's KV-pressure workloads (multi-turn code review, IDE
+completion) under a KV cap, and issue 5's anchor throughput and batch-1 latency. Several
+workloads run in one engine (one start-up) with the prefix cache reset between them.
 
-  python3 benchmarks/kv_pressure_bench.py --engine kvserve|vllm --workload code-review|ide [--cap-tokens 65536]
+  python3 benchmarks/kv_pressure_bench.py --engine kvserve|vllm --workload code-review,ide [--cap-tokens 65536]
+  python3 benchmarks/kv_pressure_bench.py --engine vllm --workload code-review,anchor,latency --cap-tokens 0
 
 Code review: 24 conversations x 4 turns; turn 1 ~1.5K tokens, each later turn resends the
 history (prompt + previous output) plus ~400 new tokens; 300 output tokens per turn
 (ignore_eos). All conversations' turn t run as one generate() batch. IDE: 768 requests over
 48 file prefixes of ~700 tokens, ~190 unique tokens each, 127 output tokens, one batch.
-Hit rate = sum of per-request cached tokens / sum of prompt tokens. Prints one RESULT line.
+Hit rate = sum of per-request cached tokens / sum of prompt tokens. Prints a RESULT line per workload.
 """
 import argparse, json, os, random, sys, time
 
@@ -38,9 +41,9 @@ def make_engine(args):
     sys.path.insert(0, os.getcwd())
     from kvserve import LLM, SamplingParams
     kw = {"num_kv_blocks": args.cap_tokens // 16 + 1} if args.cap_tokens else {}
-    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85,
+    llm = LLM(args.model, max_model_len=8192, gpu_memory_utilization=0.85,
               max_num_batched_tokens=16384, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
-              eviction_policy=args.eviction_policy, **kw)
+              eviction_policy=args.eviction_policy, preemption_mode=args.preemption_mode, **kw)
     return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
@@ -48,7 +51,9 @@ def run_batches(llm, sp, batches_fn):
     cached = prompt = 0
     start = time.perf_counter()
     for prompts, out_len, on_done in batches_fn():
+        t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp(out_len), use_tqdm=False)
+        print(f"batch of {len(prompts)}: {time.perf_counter() - t0:.2f} s", flush=True)
         for o in outs:
             cached += o.num_cached_tokens or 0
             prompt += len(o.prompt_token_ids)
@@ -73,23 +78,73 @@ def ide(rng):
     return lambda: iter([(prompts, 127, lambda outs: None)])
 
 
+def anchor(_rng):
+    """Issue 5's anchor: 256 x 512 random tokens in / 128 out (the same prompts as vllm_bench_anchor.py)."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(100, 100000, (256, 512), generator=g).tolist()
+    return lambda: iter([(prompts[:8], 128, lambda outs: None), (prompts, 128, lambda outs: None)])
+
+
+def latency(_rng):
+    """Batch 1, 128 in / 256 out, run twice (the first warms up)."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(100, 100000, (256, 512), generator=g).tolist()[0][:128]
+    return lambda: iter([([prompt], 256, lambda outs: None)] * 2)
+
+
+WORKLOADS = {"code-review": code_review, "ide": ide, "anchor": anchor, "latency": latency}
+
+
+def run_workload(llm, sp, args, name):
+    batches = WORKLOADS[name](random.Random(0))
+    if name in ("anchor", "latency"):  # time only the last batch (the others warm up)
+        *warm, last = list(batches())
+        for prompts, out_len, _ in warm:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], sp(out_len), use_tqdm=False)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in last[0]], sp(last[1]), use_tqdm=False)
+        dt = time.perf_counter() - t
+        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+        res = {"seconds": round(dt, 2), "out_tok_s": round(ntok / dt, 1)}
+        if name == "latency":
+            res["ms_per_token"] = round(1000 * dt / ntok, 2)
+    else:
+        seconds, cached, prompt = run_batches(llm, sp, batches)
+        res = {"seconds": round(seconds, 2), "hit_rate": round(cached / prompt, 3), "prompt_tokens": prompt}
+    return {"engine": args.engine, "workload": name, "cap_tokens": args.cap_tokens,
+            "cpu_kv_cache_gb": args.cpu_kv_cache_gb, "eviction_policy": args.eviction_policy, **res}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["kvserve", "vllm"], required=True)
-    ap.add_argument("--workload", choices=["code-review", "ide"], default="code-review")
+    ap.add_argument("--workload", default="code-review",
+                    help="comma-separated, run in order in one engine with the prefix cache reset "
+                         f"between them: {', '.join(WORKLOADS)}")
     ap.add_argument("--cap-tokens", type=int, default=65536)
     ap.add_argument("--cpu-kv-cache-gb", type=float, default=0.0)
     ap.add_argument("--eviction-policy", default="lru")
+    ap.add_argument("--model", default="dummy:qwen3-8b",
+                    help="kvserve only: another model (e.g. a tiny checkpoint dir to simulate the schedule on CPU)")
+    ap.add_argument("--preemption-mode", default="auto")
+    ap.add_argument("--stats", action="store_true", help="kvserve only: print engine counters after each run")
     args = ap.parse_args()
+    names = args.workload.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        ap.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    t = time.perf_counter()
     llm, sp = make_engine(args)
+    print(f"startup {time.perf_counter() - t:.1f} s", flush=True)
     llm.generate([{"prompt_token_ids": [101] * 16}], sp(2), use_tqdm=False)  # warm-up
-    rng = random.Random(0)
-    batches = code_review(rng) if args.workload == "code-review" else ide(rng)
-    seconds, cached, prompt = run_batches(llm, sp, batches)
-    res = {"engine": args.engine, "workload": args.workload, "cap_tokens": args.cap_tokens,
-           "cpu_kv_cache_gb": args.cpu_kv_cache_gb, "eviction_policy": args.eviction_policy,
-           "seconds": round(seconds, 2), "hit_rate": round(cached / prompt, 3), "prompt_tokens": prompt}
-    print("RESULT " + json.dumps(res), flush=True)
+    for i, name in enumerate(names):
+        if i and not llm.reset_prefix_cache():
+            raise RuntimeError("prefix cache reset refused between workloads")
+        print("RESULT " + json.dumps(run_workload(llm, sp, args, name)), flush=True)
+        if args.stats and args.engine == "kvserve":
+            print("STATS " + json.dumps(llm.get_metrics()), flush=True)
 
 
 if __name__ == "__main__":

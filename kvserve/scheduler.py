@@ -167,8 +167,7 @@ class Scheduler:
 
     def _should_swap(self, request: Request) -> bool:
         return (self.costs.mode != "recompute" and self.kv_cache.can_swap_out(request)
-                and self.costs.prefers_swap(self.kv_cache.swap_out_bytes(request),
-                                            request.num_computed_tokens))
+                and self.costs.prefers_swap(*self.kv_cache.swap_out_cost(request)))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

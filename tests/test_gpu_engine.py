@@ -45,16 +45,20 @@ def test_gpu_greedy_matches_hf_on_gpu(tmp_path, kind, eager):
 
 
 def test_cuda_graph_replay_equals_eager_for_random_batch_sizes(tmp_path):
-    path = save_tiny_checkpoint("qwen3-hybrid", tmp_path / "q")
+    """Random batch sizes, and contexts on both sides of the short-context
+    bucket (500 + 12 tokens crosses it mid-decode)."""
+    path = save_tiny_checkpoint("qwen3-hybrid", tmp_path / "q", max_position_embeddings=1024)
     rng = random.Random(0)
-    eager = LLM(str(path), dtype="float32", device="cuda", max_model_len=256, enforce_eager=True, max_num_seqs=48,
+    eager = LLM(str(path), dtype="float32", device="cuda", max_model_len=1024, enforce_eager=True, max_num_seqs=48,
                 kv_cache_memory_gb=1)
-    graphs = LLM(str(path), dtype="float32", device="cuda", max_model_len=256, max_num_seqs=48, kv_cache_memory_gb=1)
+    graphs = LLM(str(path), dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=48, kv_cache_memory_gb=1)
     assert graphs.engine.runner.graphs is not None
+    assert graphs.engine.runner.graphs.buckets == [512, 1024]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for trial in range(4):
         n = rng.randint(1, 45)
-        prompts = random_prompts([rng.randint(3, 90) for _ in range(n)], seed=trial)
+        lengths = [rng.choice([rng.randint(3, 90), 500, rng.randint(510, 900)]) for _ in range(n)]
+        prompts = random_prompts(lengths, seed=trial)
         a = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         b = [o.outputs[0].token_ids for o in graphs.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         assert a == b, f"trial {trial}, batch {n}"
@@ -68,7 +72,7 @@ def test_capture_sizes_and_bf16_graph_generation(tmp_path):
     runner = llm.engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts([20] * 5)], params, use_tqdm=False)
-    assert sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    assert sorted(runner.graphs.graphs) == [(1, 256), (2, 256), (4, 256), (8, 256), (16, 256)]
     assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
 
 

@@ -97,25 +97,37 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
                     device="cuda", seed=0, decode_config=None,
-                    dtype=torch.bfloat16) -> float:
-    """Run the kernels directly (NaN-poisoned output) and return the rel. error."""
+                    dtype=torch.bfloat16, fused_write=False) -> float:
+    """Run the kernels directly (NaN-poisoned output) and return the rel. error.
+
+    fused_write (decode batches): the decode kernel writes the new K/V itself;
+    the cache afterwards must equal a torch index-copy write, bit for bit."""
     from kvserve.attention.kernels import (decode_attention, prefill_attention,
                                            reshape_and_cache)
+    from kvserve.attention.torch_ref import write_kv
     from kvserve.attention.triton_backend import mask_bounds
     gen = torch.Generator().manual_seed(seed)
     meta, kv_cache, q, k, v = _build_batch(seqs, spec, block_size, heads, kv_heads,
                                            head_dim, device, gen, dtype)
     layer = _layer(spec, heads, kv_heads, head_dim)
     ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
-    reshape_and_cache(k, v, kv_cache, meta.slot_mappings[0])
+    expected_cache = kv_cache.clone()
+    write_kv(expected_cache, k, v, meta.slot_mappings[0])
+    fused_write = fused_write and meta.is_decode_only
+    if not fused_write:
+        reshape_and_cache(k, v, kv_cache, meta.slot_mappings[0])
     out = torch.full_like(q, float("nan"))
     window, sink = mask_bounds(layer)
     args = (q, kv_cache, out, meta.block_tables[0], meta.query_start_loc, meta.seq_lens)
     if meta.is_decode_only:
         extra = {} if decode_config is None else {"config": decode_config}
+        if fused_write:
+            extra["new_kv"] = (k, v, meta.slot_mappings[0])
         decode_attention(*args, meta.max_seq_len, layer.scale, window, sink, **extra)
     else:
         prefill_attention(*args, meta.max_query_len, layer.scale, window, sink)
+    # NaN == NaN here: never-written slots must stay exactly as they were.
+    assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"
     return _rel_err(out, ref)
 
 
@@ -144,8 +156,10 @@ def test_prefill_mixed_batch(block_size, spec):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: s.describe())
-def test_decode_long_contexts(block_size, spec):
-    assert check_attention(LONG_DECODES, spec, block_size, seed=block_size) < 1e-2
+@pytest.mark.parametrize("fused_write", [False, True], ids=["cached", "fused-write"])
+def test_decode_long_contexts(block_size, spec, fused_write):
+    err = check_attention(LONG_DECODES, spec, block_size, seed=block_size, fused_write=fused_write)
+    assert err < 1e-2
 
 
 @pytest.mark.gpu
@@ -160,10 +174,11 @@ def test_head_layouts(heads, kv_heads, head_dim, decode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 3, 7, 64])
-def test_decode_fixed_split_counts(num_splits):
+@pytest.mark.parametrize("fused_write", [False, True], ids=["cached", "fused-write"])
+def test_decode_fixed_split_counts(num_splits, fused_write):
     from kvserve.attention.kernels import DecodeConfig
     err = check_attention(LONG_DECODES, FullAttentionSpec(), 32, seed=num_splits,
-                          decode_config=DecodeConfig(num_splits=num_splits))
+                          decode_config=DecodeConfig(num_splits=num_splits), fused_write=fused_write)
     assert err < 1e-2
 
 
@@ -203,9 +218,18 @@ def interpreter_smoke() -> None:
     decodes = [(0, 1), (9, 1), (70, 1), (130, 1)]
     for seqs in (mixed, decodes):
         for spec, block_size in ((full, 8), (sink, 16), (SlidingWindowSpec(window=5), 8)):
-            err = check_attention(seqs, spec, block_size, heads=4, kv_heads=2,
-                                  head_dim=16, device="cpu", dtype=torch.float16)
-            assert err < 1e-2, (seqs, spec, block_size, err)
+            for fused_write in (False, True):
+                err = check_attention(seqs, spec, block_size, heads=4, kv_heads=2, head_dim=16,
+                                      device="cpu", dtype=torch.float16, fused_write=fused_write)
+                assert err < 1e-2, (seqs, spec, block_size, fused_write, err)
+    # Several splits per sequence (empty ones included), the newest key in the last.
+    from kvserve.attention.kernels import DecodeConfig
+    for fused_write in (False, True):
+        for num_splits in (3, 8):
+            err = check_attention(decodes, full, 8, heads=4, kv_heads=2, head_dim=16, device="cpu",
+                                  dtype=torch.float16, fused_write=fused_write,
+                                  decode_config=DecodeConfig(block_n=16, num_splits=num_splits))
+            assert err < 1e-2, (num_splits, fused_write, err)
 
 
 def test_tiny_shapes_under_interpreter():

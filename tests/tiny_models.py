@@ -30,9 +30,13 @@ def tiny_config(kind: str) -> transformers.PretrainedConfig:
     raise ValueError(kind)
 
 
-def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """`overrides` set config fields (e.g. max_position_embeddings)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
+    config = tiny_config(kind)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     # Random init has tiny weights: scale up so logits are far from ties.
     with torch.no_grad():
         for p in model.parameters():

@@ -3,7 +3,9 @@
 Owns the choice of kernel per batch: decode-only batches (max_query_len == 1)
 go to the split-KV decode kernel, any batch with a longer query (prefill,
 chunked prefill, or prefill mixed with decodes) to the varlen prefill kernel,
-which handles one-token queries too. Grid sizes come from the metadata's host
+which handles one-token queries too. Decode batches write their new K/V
+inside the decode kernel; other batches run the cache-write kernel first.
+Grid sizes come from the metadata's host
 copies, so forward issues no host-device synchronisation.
 """
 from __future__ import annotations
@@ -24,15 +26,17 @@ class TritonAttentionBackend:
                 kv_cache: torch.Tensor, layer: AttentionLayerInfo,
                 meta: AttentionMetadata) -> torch.Tensor:
         _check_layout(q, k, v, kv_cache)
-        reshape_and_cache(k, v, kv_cache, meta.slot_mappings[layer.group_id])
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if meta.num_tokens == 0:
             return out
+        slots = meta.slot_mappings[layer.group_id]
         window, sink = mask_bounds(layer)
         args = (q, kv_cache, out, meta.block_tables[layer.group_id],
                 meta.query_start_loc, meta.seq_lens)
-        if meta.is_decode_only:
-            return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink)
+        if meta.is_decode_only:  # the decode kernel writes the new K/V itself
+            return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink,
+                                    new_kv=(k, v, slots))
+        reshape_and_cache(k, v, kv_cache, slots)
         return prefill_attention(*args, meta.max_query_len, layer.scale, window, sink)
 
 

@@ -25,7 +25,11 @@ allocate_slots replaces by fresh GPU blocks with queued loads. A preempted
 request can instead be swapped out (`swap_out`): its blocks go to private
 host slots, and its next `get_computed_blocks` returns them as a hit of its
 old `num_computed_tokens` (`is_swap_in`), so re-admission is the same code
-path. Every queued copy must be executed, in order, before the next forward:
+path. With prefix caching only the tail past the blocks already offered to
+the hash map is copied: the cached prefix stays in the GPU cache (and goes to
+the host on eviction like any cached block), and swap-in looks it up again;
+if part of it is gone everywhere, the swap is dropped and the request
+resumes from the prefix that is left, recomputing the rest. Every queued copy must be executed, in order, before the next forward:
 the scheduler hands them over with `take_pending_copies`.
 """
 from __future__ import annotations
@@ -69,10 +73,12 @@ class ComputedBlocks:
 
 @dataclass
 class SwappedKV:
-    """A swapped-out request's tables: private host slots, NULL kept as NULL."""
+    """A swapped-out request: its cached prefix length (looked up again at
+    swap-in) and, past it, per-group tables of private host slots (NULL kept)."""
 
     tables: list[list[HitBlock]]
     num_tokens: int
+    num_prefix_tokens: int = 0
 
     def slots(self) -> list[int]:
         return [block.slot for table in self.tables for block in table if block.on_host]
@@ -108,6 +114,7 @@ class KVCacheManager:
         self.host_hit_tokens = 0
         self.num_swap_outs = 0
         self.num_swap_ins = 0
+        self.num_swap_drops = 0  # swaps abandoned: their cached prefix left both tiers
         # End of each request's computed+scheduled range (for fragmentation).
         self._num_tokens: dict[str, int] = {}
 
@@ -151,14 +158,30 @@ class KVCacheManager:
         its own swapped blocks back instead."""
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
-            return ComputedBlocks([list(t) for t in swapped.tables], swapped.num_tokens,
-                                  self._epoch(), is_swap_in=True), swapped.num_tokens
+            return self._swap_in_hit(request, swapped)
         if not self.enable_prefix_caching:
             return self._no_hit(), 0
         extend_block_hashes(request, self.block_size, self.extra_keys)
         hit = self._longest_common_hit(request.block_hashes, request.all_token_ids,
                                        request.num_tokens - 1)
         return hit, hit.num_tokens
+
+    def _swap_in_hit(self, request: Request, swapped: SwappedKV) -> tuple[ComputedBlocks, int]:
+        prefix = self._no_hit()
+        if swapped.num_prefix_tokens:
+            extend_block_hashes(request, self.block_size, self.extra_keys)
+            prefix = self._longest_common_hit(request.block_hashes, request.all_token_ids,
+                                              swapped.num_prefix_tokens)
+            if prefix.num_tokens < swapped.num_prefix_tokens:
+                # Part of the cached prefix left both tiers: resume from what is
+                # left as a plain hit; the private tail cannot follow it.
+                del self._swapped[request.request_id]
+                self.host_tier.release_private(swapped.slots())
+                self.num_swap_drops += 1
+                return prefix, prefix.num_tokens
+        blocks = [p + t for p, t in zip(prefix.blocks, swapped.tables)]
+        return (ComputedBlocks(blocks, swapped.num_tokens, self._epoch(), is_swap_in=True),
+                swapped.num_tokens)
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int,
                              computed: ComputedBlocks | None = None) -> None:
@@ -279,8 +302,8 @@ class KVCacheManager:
             tables[g][i] = block
         for group_id, manager in enumerate(self.managers):
             manager.add_hit_blocks(request_id, tables[group_id], count_hit=not hit.is_swap_in)
-            if hit.is_swap_in:  # offer the reloaded full blocks to the hash map again
-                manager.num_cached_blocks[request_id] = 0
+            if hit.is_swap_in:  # offer the reloaded private blocks to the hash map again
+                manager.num_cached_blocks[request_id] = _num_before_private(hit.blocks[group_id])
         self.pool.free_blocks(gpu_hits + loaded)
 
     def _load_from_host(self, refs: list[HostBlockRef], group_ids: list[int]) -> list[KVBlock]:
@@ -300,16 +323,14 @@ class KVCacheManager:
         if request.request_id in self._num_tokens:
             raise ValueError(f"request {request.request_id!r} already holds blocks; "
                              f"pass a prefix hit only when admitting it")
-        if hit.is_swap_in:
-            if request.request_id not in self._swapped:
-                raise ValueError(f"request {request.request_id!r} was swapped in already")
-            return  # private slots cannot vanish
+        if hit.is_swap_in and request.request_id not in self._swapped:
+            raise ValueError(f"request {request.request_id!r} was swapped in already")
         if hit.epoch == self._epoch():
             return
         token_ids = request.all_token_ids
         for manager, blocks in zip(self.managers, hit.blocks):
             for index, block in enumerate(blocks):
-                if block.is_null:
+                if block.is_null or _is_private(block):  # private slots cannot vanish
                     continue
                 if manager.lookup(request.block_hashes, token_ids, index) != block:
                     raise ValueError("stale prefix hit: call get_computed_blocks right "
@@ -350,35 +371,53 @@ class KVCacheManager:
         return True
 
     # ---- swap -----------------------------------------------------------
-    def _swap_tables(self, request: Request) -> list[list[KVBlock]]:
-        """The blocks holding the request's computed tokens, per group."""
-        num_blocks = -(-request.num_computed_tokens // self.block_size)
-        return [m.blocks(request.request_id)[:num_blocks] for m in self.managers]
-
-    def swap_out_bytes(self, request: Request) -> int:
-        """Bytes a swap-out (and again a swap-in) of this request moves."""
-        if self.host_tier is None:
+    def _num_prefix_blocks(self, request: Request) -> int:
+        """Leading blocks every group offered to the hash map: a swap leaves them
+        to the prefix cache instead of copying them."""
+        if not self.enable_prefix_caching:
             return 0
-        held = sum(1 for t in self._swap_tables(request) for b in t if not b.is_null)
-        return held * self.host_tier.block_bytes
+        rid = request.request_id
+        cached = min(m.num_cached_blocks.get(rid, 0) for m in self.managers)
+        return min(cached, request.num_computed_tokens // self.block_size)
+
+    def _swap_tables(self, request: Request) -> list[list[KVBlock]]:
+        """The blocks a swap copies, per group: those holding computed tokens
+        past the cached prefix."""
+        start = self._num_prefix_blocks(request)
+        end = -(-request.num_computed_tokens // self.block_size)
+        return [m.blocks(request.request_id)[start:end] for m in self.managers]
+
+    def _num_swap_blocks(self, request: Request) -> int:
+        return sum(1 for t in self._swap_tables(request) for b in t if not b.is_null)
+
+    def swap_out_cost(self, request: Request) -> tuple[int, int]:
+        """(bytes a swap-out moves, and again its swap-in; tokens a recompute
+        would redo instead). Both leave out the cached prefix, which neither
+        path loses while it stays in a tier."""
+        if self.host_tier is None:
+            return 0, request.num_computed_tokens
+        tail_tokens = request.num_computed_tokens - self._num_prefix_blocks(request) * self.block_size
+        return self._num_swap_blocks(request) * self.host_tier.block_bytes, tail_tokens
 
     def can_swap_out(self, request: Request) -> bool:
         if self.host_tier is None or request.num_computed_tokens == 0:
             return False
-        held = sum(1 for t in self._swap_tables(request) for b in t if not b.is_null)
-        return held <= self.host_tier.num_free_for_swap()
+        return self._num_swap_blocks(request) <= self.host_tier.num_free_for_swap()
 
     def swap_out(self, request: Request) -> None:
-        """Copy the request's computed KV to private host slots and free its GPU
-        blocks. Its next `get_computed_blocks` returns them (see module doc)."""
+        """Copy the request's computed KV past its cached prefix to private host
+        slots and free its GPU blocks. Its next `get_computed_blocks` returns
+        them after the prefix (see module doc)."""
         if not self.can_swap_out(request):
             raise ValueError(f"request {request.request_id!r} cannot be swapped out")
+        num_prefix_tokens = self._num_prefix_blocks(request) * self.block_size
         tables = []
         for table in self._swap_tables(request):
             slots = iter(self.host_tier.swap_out([b.block_id for b in table if not b.is_null]))
             tables.append([b if b.is_null else HostBlockRef(next(slots), None, None) for b in table])
         self._free_gpu(request.request_id)
-        self._swapped[request.request_id] = SwappedKV(tables, request.num_computed_tokens)
+        self._swapped[request.request_id] = SwappedKV(tables, request.num_computed_tokens,
+                                                      num_prefix_tokens)
         self.num_swap_outs += 1
 
     def take_pending_copies(self) -> list[BlockCopy]:
@@ -390,6 +429,7 @@ class KVCacheManager:
         host = self.host_tier
         return {"kv_host_hit_tokens": self.host_hit_tokens,
                 "kv_host_swap_outs": self.num_swap_outs, "kv_host_swap_ins": self.num_swap_ins,
+                "kv_host_swap_drops": self.num_swap_drops,
                 "kv_host_usage_perc": host.usage if host else 0.0,
                 "kv_host_cached_blocks": host.num_cached if host else 0,
                 "kv_host_evictions": host.num_evictions if host else 0,
@@ -449,3 +489,12 @@ class KVCacheManager:
             block = self.pool.cached.get(key)
             if block is not None and block.content != entry.content:
                 raise RuntimeError(f"{key} is cached on GPU and host with different contents")
+
+
+def _is_private(block: HitBlock) -> bool:
+    """A swapped-out request's own host slot (no cache key)."""
+    return block.on_host and block.key is None
+
+
+def _num_before_private(table: Sequence[HitBlock]) -> int:
+    return next((i for i, b in enumerate(table) if _is_private(b)), len(table))

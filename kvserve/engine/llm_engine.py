@@ -143,8 +143,8 @@ class LLMEngine:
     def _append_token(self, request: Request, result: StepResult, i: int, now: float) -> None:
         token = result.sampled.token_ids[i]
         request.output_token_ids.append(token)
-        request.cumulative_logprob += result.sampled.sampled_logprobs[i]
         if request.sampling_params.logprobs is not None:
+            request.cumulative_logprob += result.sampled.sampled_logprobs[i]
             request.logprobs.append(result.sampled.logprobs[i])
         if request.first_token_time is None:
             request.first_token_time = now
@@ -191,7 +191,8 @@ class LLMEngine:
         finish_reason = request.status.value if finished else None
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob,
+            cumulative_logprob=(request.cumulative_logprob
+                                if request.sampling_params.logprobs is not None else None),
             logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
             finish_reason=finish_reason, stop_reason=request.stop_reason)
         metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,

@@ -72,6 +72,11 @@ class LLM:
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (GPU and host tier), as vLLM's `LLM` does;
+        False, changing nothing, while requests still hold blocks."""
+        return self.engine.kv_cache.reset_prefix_cache()
+
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):

@@ -5,8 +5,16 @@ batch is captured first and all graphs share one memory pool; a batch is
 padded to the next captured size; and nothing a graph reads is set up by a
 branch that might be skipped at capture: every static buffer is fully
 rewritten (real rows and padding rows) before every replay, and the captured
-attention grid is planned for `max_model_len`, so no launch shape depends on
-the batch being replayed.
+attention grid is planned for its context bucket's bound, so no launch shape
+depends on the batch being replayed.
+
+Each size is captured twice when `max_model_len` allows: for contexts up to
+`SHORT_CONTEXT` and up to `max_model_len`. The decode kernel's split count
+is planned from the bucket's bound, so a short batch replayed in a
+long-context graph would launch many empty split programs and reduce over
+them; its own graph plans few splits (none at large batch sizes, where the
+kernel writes its output directly and the reduce is skipped). A batch
+replays the graph of the smallest bucket that holds its longest sequence.
 """
 from __future__ import annotations
 
@@ -18,6 +26,9 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+# Bound of the short-context graphs: the chat-turn and latency-test regime.
+SHORT_CONTEXT = 512
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -37,6 +48,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
+        self.buckets = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
         n = self.sizes[-1]
         width = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -47,45 +59,50 @@ class DecodeGraphs:
         # Padding rows have slot -1: the cache write skips them, so the null
         # block's slot 0 stays zero (the torch backend gathers masked keys there).
         self.slot_mappings = [torch.full((n,), -1, dtype=torch.long, device=device) for _ in range(num_groups)]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_seqs=size, num_tokens=size, block_size=self.block_size,
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             block_tables=[t[:size] for t in self.block_tables],
             slot_mappings=[s[:size] for s in self.slot_mappings],
-            max_query_len=1, max_seq_len=self.max_model_len,
-            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size)
+            max_query_len=1, max_seq_len=max_seq_len,
+            query_lens_cpu=[1] * size, seq_lens_cpu=[max_seq_len] * size)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for size in reversed(self.sizes):  # largest first: later graphs reuse its pool
-            run = lambda: self.model(self.input_ids[:size], self.positions[:size], self._meta(size))  # noqa: E731
+        # Largest first: later graphs reuse its pool.
+        for key in [(size, bucket) for size in reversed(self.sizes) for bucket in reversed(self.buckets)]:
+            size, bucket = key
+            run = lambda: self.model(self.input_ids[:size], self.positions[:size],  # noqa: E731
+                                     self._meta(size, bucket))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 run()  # warm-up: Triton compiles and autotunes outside capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[size] = run()
-            self.graphs[size] = graph
+                self.outputs[key] = run()
+            self.graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d)", len(self.sizes),
-                    self.sizes[0], self.sizes[-1])
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d, context buckets %s)",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.buckets)
 
     def padded_size(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
     def run(self, device_tables: list[torch.Tensor], slots: list[torch.Tensor],
-            input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+            input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+            max_seq_len: int) -> torch.Tensor:
         """Replay for a decode batch; every static buffer row up to the padded size is rewritten."""
         n = input_ids.shape[0]  # decode: one token per sequence
         size = self.padded_size(n)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, max_seq_len)]
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()
         self.positions[:n].copy_(positions)
@@ -98,5 +115,5 @@ class DecodeGraphs:
             static[n:size].zero_()
             static_slots[:n].copy_(slot)
             static_slots[n:size].fill_(-1)
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        self.graphs[size, bucket].replay()
+        return self.outputs[size, bucket][:n]

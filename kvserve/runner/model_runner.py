@@ -127,7 +127,8 @@ class ModelRunner:
         meta = inputs.meta
         if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(meta.num_seqs):
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
-                                   inputs.input_ids, inputs.positions, meta.seq_lens)
+                                   inputs.input_ids, inputs.positions, meta.seq_lens,
+                                   meta.max_seq_len)
         return self.model(inputs.input_ids, inputs.positions, meta)
 
 

@@ -14,7 +14,8 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: logprob of the sampled token and the top-n alternatives (or None).
     logprobs: list[dict[int, float] | None]
-    sampled_logprobs: list[float]
+    # Per row: the sampled token's logprob; None when no row asked for logprobs.
+    sampled_logprobs: list[float | None]
 
 
 class Sampler:
@@ -33,12 +34,15 @@ class Sampler:
                request_ids: list[str]) -> "PendingSample":
         """Launch sampling; the ids stay on the device (`token_ids`) for the next
         step, and one packed copy heads to the host behind an event."""
-        logits = logits.float()
-        logprobs_all = torch.log_softmax(logits, dim=-1)
         if all(p.is_greedy for p in params):
-            ids = logits.argmax(dim=-1)
+            ids = logits.argmax(dim=-1)  # argmax is exact in any float type: no upcast
         else:
-            ids = self._sample_mixed(logits, params, request_ids)
+            ids = self._sample_mixed(logits.float(), params, request_ids)
+        if all(p.logprobs is None for p in params):
+            # Like vLLM, logprobs (cumulative ones too) cost nothing unless asked
+            # for: no full-vocabulary log-softmax on the hot path.
+            return PendingSample(ids, _to_host_async(ids), params, None)
+        logprobs_all = torch.log_softmax(logits.float(), dim=-1)
         want = max((p.logprobs or 0) for p in params)
         columns = [ids.unsqueeze(1).double(), logprobs_all.gather(1, ids.unsqueeze(1)).double()]
         if want:
@@ -74,10 +78,12 @@ class Sampler:
 
 
 class PendingSample:
-    """A launched sampling step: device ids now, host values on `resolve()`."""
+    """A launched sampling step: device ids now, host values on `resolve()`.
+
+    `num_top` None: the host tensor holds only the ids (nobody asked for logprobs)."""
 
     def __init__(self, token_ids: torch.Tensor, host: tuple[torch.Tensor, torch.cuda.Event | None],
-                 params: list[SamplingParams], num_top: int) -> None:
+                 params: list[SamplingParams], num_top: int | None) -> None:
         self.token_ids = token_ids
         self._host, self._ready = host
         self._params = params
@@ -86,6 +92,9 @@ class PendingSample:
     def resolve(self) -> SamplerOutput:
         if self._ready is not None:
             self._ready.synchronize()
+        if self._num_top is None:
+            ids = self._host.tolist()
+            return SamplerOutput(ids, [None] * len(ids), [None] * len(ids))
         rows = self._host.tolist()
         logprobs: list[dict[int, float] | None] = []
         for row, p in zip(rows, self._params):

@@ -42,6 +42,8 @@ COUNTERS = {
                             "Time the forward pass waited for GPU<->host KV copies."),
     "kv_host_swap_outs": ("kvserve:kv_host_swap_outs", "Preemptions that swapped a request's KV to host."),
     "kv_host_swap_ins": ("kvserve:kv_host_swap_ins", "Swapped requests resumed from host KV."),
+    "kv_host_swap_drops": ("kvserve:kv_host_swap_drops",
+                           "Swaps abandoned because their cached prefix left both tiers (recomputed)."),
     "kv_host_evictions": ("kvserve:kv_host_evictions", "Cached blocks evicted from the host tier."),
 }
 

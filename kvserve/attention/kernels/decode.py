@@ -5,6 +5,7 @@ share one KV head as the rows of a tl.dot, so each K/V page is read once per
 GQA group, and walks its split's slice of the visible keys (sink + window for
 sliding layers). Each split writes a normalised partial output and its
 log2-sum-exp; the reduce kernel merges the splits of one (sequence, head).
+A single split writes the final output itself and the reduce is skipped.
 """
 from __future__ import annotations
 
@@ -27,19 +28,23 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     waves: int = 4               # aim for waves * SM count programs
-    min_split_keys: int = 512    # never split below this many keys
+    # Never split below this many keys. Short splits pay off at small batches:
+    # one program walking a few hundred keys is latency-bound (H200, batch 1).
+    min_split_keys: int = 128
     num_splits: int | None = None  # fixed split count (bench sweeps); None = heuristic
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_table_ptr,
-    query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink, split_len,
+    query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
     stride_qt, stride_qh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head, num_splits,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+    out_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WRITE_NEW: tl.constexpr, DIRECT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -48,6 +53,10 @@ def _decode_split_kernel(
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
     num_keys = sink_end + seq_len - lo
+    # Each sequence divides its own keys evenly over the splits: the grid is
+    # planned for the longest context (in a CUDA graph, for the bucket's bound),
+    # and a fixed split length would leave shorter sequences on a few programs.
+    split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), num_splits) * BLOCK_N
     start = split * split_len
     end = tl.minimum(num_keys, start + split_len)
 
@@ -60,14 +69,25 @@ def _decode_split_kernel(
     q = q.to(k_cache_ptr.dtype.element_ty)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head * stride_cache_head
+    # The newest key (virtual index num_keys - 1) is this step's own token.
+    # With WRITE_NEW it comes from k_new/v_new, not the cache: the tile loop
+    # stops before it (so its loads feed the dots directly and stay
+    # software-pipelined) and the split that owns it adds it afterwards and
+    # stores it into the cache. No other program reads that slot in this
+    # launch, so no separate cache-write kernel runs before us.
+    newest = num_keys - 1
+    owns_newest = (start <= newest) & (newest < end)
+    loop_end = end
+    if WRITE_NEW:
+        loop_end = tl.minimum(end, newest)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in range(start, end, BLOCK_N):
+    for tile in range(start, loop_end, BLOCK_N):
         j = tile + tl.arange(0, BLOCK_N)
         _, key_valid, kv_offs = page_offsets(
-            j, end, sink_end, lo, table_row, stride_cache_block,
+            j, loop_end, sink_end, lo, table_row, stride_cache_block,
             stride_cache_offset, kv_head_offset, PAGE_SIZE)
         k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
                     mask=key_valid[:, None], other=0.0)
@@ -82,13 +102,38 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if WRITE_NEW:
+        k_new = tl.load(k_new_ptr + token * stride_kt + kv_head * stride_kh + dims)
+        v_new = tl.load(v_new_ptr + token * stride_vt + kv_head * stride_vh + dims)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+        s_new = tl.where(owns_newest, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
+        p_new = tl.where(owns_newest, tl.exp2(s_new - m_new), 0.0)
+        l_i = l_i * alpha + p_new
+        p_new = p_new.to(v_new.dtype).to(tl.float32)  # rounded like the loop's p
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+        slot = tl.load(slot_mapping_ptr + token)
+        if owns_newest & (slot >= 0):  # slot < 0: a padding row of a CUDA graph
+            dst = ((slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_offset
+                   + kv_head_offset + dims)
+            tl.store(k_cache_ptr + dst, k_new)
+            tl.store(v_cache_ptr + dst, v_new)
+
     has_keys = l_i > 0  # an empty split (past this sequence's end) merges as weight 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
-    tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
-             mask=row_valid[:, None])
-    tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    if DIRECT:  # one split: this is the final output, no reduce kernel
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 
 @triton.jit
@@ -126,49 +171,60 @@ def _sm_count(device: torch.device) -> int:
 
 
 def plan_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int,
-                config: DecodeConfig) -> tuple[int, int]:
-    """(num_splits, keys per split), keys per split a multiple of block_n."""
+                config: DecodeConfig) -> int:
+    """Programs per (sequence, KV head): enough for `waves` waves over the SMs,
+    but no split shorter than `min_split_keys` at the longest context."""
     tiles = max(1, triton.cdiv(max_keys, config.block_n))
     if config.num_splits is not None:
         wanted = config.num_splits
     else:
         wanted = triton.cdiv(config.waves * num_sms, num_seqs * num_kv_heads)
         wanted = min(wanted, max(1, max_keys // config.min_split_keys))
-    wanted = max(1, min(wanted, tiles, MAX_SPLITS))
-    tiles_per_split = triton.cdiv(tiles, wanted)
-    return triton.cdiv(tiles, tiles_per_split), tiles_per_split * config.block_n
+    return max(1, min(wanted, tiles, MAX_SPLITS))
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                      block_table: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                      window: int | None, sink: int,
-                     config: DecodeConfig = DecodeConfig()) -> torch.Tensor:
-    """q/out: [num_seqs, H, D], one query per sequence; cache holds its K/V."""
+                     config: DecodeConfig = DecodeConfig(),
+                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q/out: [num_seqs, H, D], one query per sequence.
+
+    Without `new_kv` the cache already holds every key, the step's own
+    included. With `new_kv = (k, v, slot_mapping)` ([num_seqs, KVH, D] twice,
+    [num_seqs] int64) the step's own key comes from k/v and is written to the
+    cache by this launch (fusing the cache write); a negative slot skips it.
+    """
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     max_keys = max_seq_len if window is None else min(max_seq_len, window + sink)
-    num_splits, split_len = plan_splits(num_seqs, num_kv_heads, max_keys,
-                                        _sm_count(q.device), config)
-    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
-                           dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(num_seqs, num_heads, num_splits,
-                           dtype=torch.float32, device=q.device)
+    num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, _sm_count(q.device), config)
+    direct = num_splits == 1
+    # Direct launches never touch the partials: one dummy element stands in.
+    part_shape = (1,) if direct else (num_seqs, num_heads, num_splits, head_dim)
+    part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(part_shape[:3], dtype=torch.float32, device=q.device)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, part_out, part_lse, block_table,
-        query_start_loc, seq_lens, scale * LOG2E, window or 0, sink, split_len,
+        query_start_loc, seq_lens, scale * LOG2E, window or 0, sink,
         q.stride(0), q.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_splits,
+        k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=kv_cache.shape[2], BLOCK_N=config.block_n,
         SLIDING=window is not None, DOT_PRECISION=dot_precision(kv_cache.dtype),
+        WRITE_NEW=new_kv is not None, DIRECT=direct,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
-        num_splits, NUM_HEADS=num_heads,
-        SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
+    if not direct:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
+            num_splits, NUM_HEADS=num_heads,
+            SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
     return out
