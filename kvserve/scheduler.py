@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.cache.host_tier import BlockCopy
+from kvserve.cache.host_tier import CopyBatch
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import PREEMPTION_MODES, SchedulerConfig
 from kvserve.request import Request, RequestStatus
@@ -43,8 +43,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Must run, in order, before this step's forward (even if nothing is scheduled).
-    kv_copies: list[BlockCopy] = field(default_factory=list)
+    # Must run before this step's forward (even if nothing is scheduled).
+    kv_copies: CopyBatch = field(default_factory=CopyBatch)
 
     @property
     def num_tokens(self) -> int:

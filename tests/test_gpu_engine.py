@@ -86,3 +86,25 @@ def test_memory_planning_fills_kv_and_rejects_impossible_settings(tmp_path):
     torch.cuda.empty_cache()
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.0001"):
         LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.0001)
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_host_tier_on_cuda_keeps_greedy_outputs(tmp_path, preemption_mode):
+    """Real copy streams: write-backs, saves on eviction, loads and swaps run
+    on the copy stream while forwards run; outputs equal a run without a cap.
+    Two rounds, so the second reloads prefixes from the host tier."""
+    path = save_tiny_checkpoint("qwen3-hybrid", tmp_path / "q")
+    prompts = random_prompts([40, 55, 33, 60, 47, 38, 52, 44], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def run(**kwargs):
+        llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=128, block_size=4, **kwargs)
+        outs = [o.outputs[0].token_ids for _ in range(2)
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        return outs, llm.get_metrics()
+
+    reference, _ = run(kv_cache_memory_gb=0.05)
+    got, m = run(num_kv_blocks=130, cpu_kv_cache_gb=0.01, preemption_mode=preemption_mode,
+                 eviction_policy="reuse")
+    assert got == reference
+    assert m["num_preemptions"] > 0 and m["kv_host_hit_tokens"] > 0 and m["kv_host_blocks_to_host"] > 0

@@ -6,7 +6,7 @@ import torch
 
 from kvserve.cache.block_pool import BlockContent, BlockPool
 from kvserve.cache.eviction import ReuseAwareQueue
-from kvserve.cache.host_tier import BlockCopy
+from kvserve.cache.host_tier import BlockCopy, CopyBatch
 from kvserve.runner import kv_transfer
 from kvserve.runner.kv_transfer import KVTransfer
 from kv_pressure_sim import Workload, simulate
@@ -56,10 +56,13 @@ def test_kv_transfer_round_trip_on_cpu(monkeypatch):
     transfer = KVTransfer(caches, num_host_blocks=7, device=torch.device("cpu"))
     assert [c.shape[0] for c in transfer.chunks] == [3, 3, 1]
     saves = [BlockCopy(True, gpu, slot) for gpu, slot in [(1, 0), (2, 1), (3, 2), (4, 3), (5, 6), (1, 4)]]
-    transfer.run(saves)
+    # Half as background write-backs, half urgent: both land.
+    transfer.run(CopyBatch(copies=[BlockCopy(c.to_host, c.gpu_block, c.host_slot, background=True)
+                                   for c in saves[:3]] + saves[3:]))
     for cache in caches:
         cache.zero_()
-    transfer.run([BlockCopy(False, gpu, slot) for gpu, slot in [(9, 0), (8, 1), (7, 2), (6, 3), (5, 6), (4, 4)]])
+    loads = [BlockCopy(False, gpu, slot) for gpu, slot in [(9, 0), (8, 1), (7, 2), (6, 3), (5, 6), (4, 4)]]
+    transfer.run(CopyBatch(copies=loads, index=1))
     for cache, before in zip(caches, original):
         for gpu, src in [(9, 1), (8, 2), (7, 3), (6, 4), (5, 5), (4, 1)]:
             assert torch.equal(cache[:, gpu], before[:, src])

@@ -150,6 +150,8 @@ class BlockPool:
         # not the parent itself is cached now (it may be cached again later).
         self._num_children: dict[tuple[int, bytes], int] = {}
         self.on_evict: Callable[[KVBlock], None] | None = None
+        # Called when a cached block's last reference goes (it became evictable).
+        self.on_free_cached: Callable[[KVBlock], None] | None = None
         self.num_evictions = 0
         # Bumped whenever cached content may have vanished (eviction, reset);
         # lets callers cheaply tell whether an earlier lookup is still valid.
@@ -199,6 +201,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if block.block_hash is not None and self.on_free_cached is not None:
+                    self.on_free_cached(block)
 
     def get_cached_block(self, group_id: int, block_hash: bytes,
                          content: BlockContent) -> KVBlock | None:

@@ -7,12 +7,25 @@ and nothing on the GPU. A slot holds either
     the GPU hash map, evictable in LRU order; or
   - a private block of a swapped-out request, until it is swapped back in.
 
-Every change of slot content is a `BlockCopy` appended to `pending`, in the
-order the cache logic decided it. The runner executes the list in that order
-before the next forward pass, so a copy out of a GPU block always reads it
-before the block's new owner writes it, and a load always reads the slot
-before a later save reuses it. Slots being loaded are pinned while GPU blocks
-are reclaimed for them, so the saves those reclaims trigger cannot take them.
+Every change of slot content is a `BlockCopy`, queued in the order the cache
+logic decided it and handed to the runner in a `CopyBatch` per step. Urgent
+copies (loads, saves of evicted blocks, swap-outs) run in that order and the
+next forward waits for them, so it never reads a load early nor overwrites a
+block before it is saved. Write-backs (`background`) are different: a cached
+block that became free (its last request let go) is copied to the host right
+away, on a second stream, after the batch's urgent copies, and nothing waits
+for it; when the GPU later evicts the block it is already on the host (no
+copy, no wait). A write-back conflicts with a later copy or forward only
+through its GPU block or its host slot, and each such case sets `fence`, the
+latest batch whose write-backs must land first:
+  - its GPU block is evicted (the new owner, or a load, overwrites it; and
+    only after this can a lookup hit the host copy and load from its slot);
+  - its host entry is evicted (the slot is reused);
+  - the tier is reset (both).
+A fence on the batch being queued makes the runner execute that batch in
+queue order on one stream instead.
+Slots being loaded are pinned while GPU blocks are reclaimed for them, so the
+saves those reclaims trigger cannot take them.
 """
 from __future__ import annotations
 
@@ -27,11 +40,27 @@ CacheKey = tuple[int, bytes]
 
 @dataclass(frozen=True)
 class BlockCopy:
-    """Copy one block between GPU block `gpu_block` and host slot `host_slot`."""
+    """Copy one block between GPU block `gpu_block` and host slot `host_slot`;
+    `background`: a write-back nothing waits for (see the module doc)."""
 
     to_host: bool
     gpu_block: int
     host_slot: int
+    background: bool = False
+
+
+@dataclass
+class CopyBatch:
+    """One step's copies in queue order. `index` numbers batches; `fence` is
+    the latest batch whose write-backs must land before this batch's urgent
+    copies and the next forward (-1: none)."""
+
+    copies: list[BlockCopy] = field(default_factory=list)
+    fence: int = -1
+    index: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.copies) or self.fence >= 0
 
 
 @dataclass(frozen=True)
@@ -70,8 +99,13 @@ class HostTier:
         self._pinned: dict[CacheKey, HostEntry] = {}
         self._private: set[int] = set()
         self.pending: list[BlockCopy] = []
+        self.batch = 0              # index of the CopyBatch being queued
+        self.fence = -1
+        # Cached entries filled by a write-back: key -> its batch.
+        self._written_back: dict[CacheKey, int] = {}
         # Bumped when a cached entry vanishes, so a stale hit is re-verified.
         self.epoch = 0
+        self.num_write_backs = 0    # freed cached blocks copied out in the background
         self.num_saves = 0          # GPU blocks copied out on eviction
         self.num_save_dedups = 0    # evicted blocks already on host: no copy
         self.num_loads = 0          # blocks queued host -> GPU
@@ -103,6 +137,7 @@ class HostTier:
                 self._entries.move_to_end(key)
                 entry.num_hits = max(entry.num_hits, block.num_hits)
             self.num_save_dedups += 1
+            self._fence_on(key)  # the block's new owner must not overwrite it mid-copy
             return
         slot = self._take_slot()
         if slot is None:
@@ -110,6 +145,25 @@ class HostTier:
         self._entries[key] = HostEntry(slot, block.content, block.num_hits)
         self.pending.append(BlockCopy(True, block.block_id, slot))
         self.num_saves += 1
+
+    def write_back(self, block: KVBlock) -> None:
+        """Copy a cached block that just became free to the host in the
+        background (the pool's `on_free_cached` hook)."""
+        key = (block.cache_group, block.block_hash)
+        if key in self._entries or key in self._pinned:
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return
+        self._entries[key] = HostEntry(slot, block.content, block.num_hits)
+        self.pending.append(BlockCopy(True, block.block_id, slot, background=True))
+        self._written_back[key] = self.batch
+        self.num_write_backs += 1
+
+    def _fence_on(self, key: CacheKey) -> None:
+        batch = self._written_back.get(key)
+        if batch is not None:
+            self.fence = max(self.fence, batch)
 
     def num_free_for_swap(self) -> int:
         return len(self._free_slots) + len(self._entries)
@@ -132,7 +186,9 @@ class HostTier:
             return self._free_slots.pop()
         if not self._entries:
             return None
-        _, entry = self._entries.popitem(last=False)
+        key, entry = self._entries.popitem(last=False)
+        self._fence_on(key)  # the slot's next copy must not race its write-back
+        self._written_back.pop(key, None)
         self.num_evictions += 1
         self.epoch += 1
         return entry.slot
@@ -162,9 +218,11 @@ class HostTier:
             self._free_slots.append(slot)
 
     # ---- bookkeeping --------------------------------------------------
-    def take_pending(self) -> list[BlockCopy]:
-        pending, self.pending = self.pending, []
-        return pending
+    def take_pending(self) -> CopyBatch:
+        batch = CopyBatch(self.pending, self.fence, self.batch)
+        self.pending, self.fence = [], -1
+        self.batch += 1
+        return batch
 
     def entries(self) -> dict[CacheKey, HostEntry]:
         return {**self._entries, **self._pinned}
@@ -175,6 +233,10 @@ class HostTier:
             self._free_slots.append(entry.slot)
         self._entries.clear()
         self._pinned.clear()
+        # Slots are reused, and GPU blocks lose their hashes and are reused
+        # without an eviction (no `save` to fence): fence on every write-back.
+        self.fence = max([self.fence, *self._written_back.values()])
+        self._written_back.clear()
         self.epoch += 1
 
     def check_integrity(self, private_slots: list[int]) -> None:

@@ -19,8 +19,9 @@ Scheduler contract for `num_computed_tokens`:
   Call allocate_slots right after get_computed_blocks: a hit whose blocks were
   evicted in between is rejected with ValueError.
 
-Host tier (optional, `host_tier.py`): GPU blocks evicted with a hash are
-copied to host slots; a hit may then contain `HostBlockRef`s, which
+Host tier (optional, `host_tier.py`): cached GPU blocks are written back to
+host slots when they become free (in the background) or, at the latest, when
+evicted; a hit may then contain `HostBlockRef`s, which
 allocate_slots replaces by fresh GPU blocks with queued loads. A preempted
 request can instead be swapped out (`swap_out`): its blocks go to private
 host slots, and its next `get_computed_blocks` returns them as a hit of its
@@ -44,7 +45,7 @@ from kvserve.cache.block_pool import BlockPool, KVBlock
 from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
 from kvserve.cache.hashing import extend_block_hashes
-from kvserve.cache.host_tier import BlockCopy, HostBlockRef, HostTier
+from kvserve.cache.host_tier import CopyBatch, HostBlockRef, HostTier
 from kvserve.cache.managers import HitBlock, SingleTypeManager, make_manager
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class KVCacheManager:
         self.host_tier = host_tier
         if host_tier is not None and enable_prefix_caching:
             self.pool.on_evict = host_tier.save
+            self.pool.on_free_cached = host_tier.write_back
         lookup_tier = host_tier if enable_prefix_caching else None
         self.managers: list[SingleTypeManager] = [
             make_manager(group.spec, self.pool, block_size, group_id, lookup_tier)
@@ -420,9 +422,9 @@ class KVCacheManager:
                                                       num_prefix_tokens)
         self.num_swap_outs += 1
 
-    def take_pending_copies(self) -> list[BlockCopy]:
-        """Block copies queued since the last call, in the order they must run."""
-        return self.host_tier.take_pending() if self.host_tier is not None else []
+    def take_pending_copies(self) -> CopyBatch:
+        """Block copies queued since the last call (see `host_tier.py` for the order)."""
+        return self.host_tier.take_pending() if self.host_tier is not None else CopyBatch()
 
     def host_metrics(self) -> dict[str, Any]:
         """Cache-side host-tier counters (the runner counts executed copies)."""
@@ -430,6 +432,7 @@ class KVCacheManager:
         return {"kv_host_hit_tokens": self.host_hit_tokens,
                 "kv_host_swap_outs": self.num_swap_outs, "kv_host_swap_ins": self.num_swap_ins,
                 "kv_host_swap_drops": self.num_swap_drops,
+                "kv_host_write_backs": host.num_write_backs if host else 0,
                 "kv_host_usage_perc": host.usage if host else 0.0,
                 "kv_host_cached_blocks": host.num_cached if host else 0,
                 "kv_host_evictions": host.num_evictions if host else 0,

@@ -54,6 +54,7 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is not None:
             self._forget(request)
+            self._start_write_backs()
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -99,7 +100,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             self.runner.copy_blocks(out.kv_copies)  # a swap-out with nothing scheduled
-            return self._finish_in_flight(None)
+            touched = self._finish_in_flight(None)
+            self._start_write_backs()
+            return touched
         start = time.monotonic()
         block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
         launched = self.runner.launch(out, block_ids, self._in_flight)
@@ -107,9 +110,15 @@ class LLMEngine:
         for item in launched.rows:
             item.request.num_pending_tokens += 1
         touched = self._finish_in_flight(launched)
+        self._start_write_backs()
         self.stats.record_step(out, time.monotonic() - start)
         self._observe_rates()
         return touched
+
+    def _start_write_backs(self) -> None:
+        """Blocks that finished requests just freed start their background
+        copy to the host tier now, not a step later (and the counters see it)."""
+        self.runner.copy_blocks(self.kv_cache.take_pending_copies())
 
     def _finish_in_flight(self, launched: InFlightStep | None) -> list[Request]:
         """Resolve the step in flight (if any) and make `launched` the new one."""

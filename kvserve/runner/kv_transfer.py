@@ -7,12 +7,19 @@ consecutive slots moves in one copy. Host memory is allocated in chunks of at
 most `HOST_CHUNK_BYTES` (the CUDA host allocator rounds each allocation up to
 a power of two; a chunk wastes less than one block).
 
-Ordering (CUDA): `run` makes the copy stream wait for the compute stream, so a
-save reads what earlier forwards wrote; copies run on the copy stream in queue
-order; the compute stream then waits on an event recorded after the last copy,
-so the next forward never reads a load before it lands nor overwrites a block
-before it is saved. The host is never read by the CPU. On CPU the same code
-runs synchronously. Copy time is measured with events and read lazily.
+Ordering (CUDA), per `CopyBatch` (the cases are `cache/host_tier.py`'s):
+  - urgent copies run on the copy stream after everything queued on the
+    compute stream (so saves read what earlier forwards wrote) and after the
+    fence's write-backs; the compute stream then waits for them;
+  - write-backs run on the background stream after the compute stream's
+    queued work and after the batch's urgent copies; an event per batch marks
+    their end, and only a fence waits for it (the compute stream waits on the
+    fence event itself when the batch has no urgent copy);
+  - a batch fenced on itself runs in queue order on the copy stream, all of
+    it waited for.
+The host is never read by the CPU. On CPU the same code runs synchronously.
+Urgent copy time (what the forward waited for) is measured with events and
+read lazily; write-back time is not a wait and is not counted.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.host_tier import BlockCopy
+from kvserve.cache.host_tier import BlockCopy, CopyBatch
 
 HOST_CHUNK_BYTES = 1 << 30
 # Bounds the GPU staging buffer of one batch of copies.
@@ -54,20 +61,22 @@ class KVTransfer:
                        for n in _chunk_sizes(num_host_blocks, self.blocks_per_chunk)]
         self.num_host_blocks = num_host_blocks
         self.stream = torch.cuda.Stream(device) if on_cuda else None
+        self.background = torch.cuda.Stream(device) if on_cuda else None
         self.stats = TransferStats()
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Write-back batch index -> event after its copies (dropped once complete).
+        self._write_back_done: dict[int, torch.cuda.Event] = {}
 
     # ---- entry point -------------------------------------------------
-    def run(self, copies: Sequence[BlockCopy]) -> None:
-        """Execute `copies` in order, before anything later on the compute stream."""
-        if not copies:
-            return
+    def run(self, batch: CopyBatch) -> None:
+        """Execute a step's copies; the next forward waits for what it must (module doc)."""
+        copies = batch.copies
         if self.stream is None:
             start = time.perf_counter()
             self._run_batches(copies)
             self.stats.copy_time_s += time.perf_counter() - start
         else:
-            self._run_on_copy_stream(copies)
+            self._run_on_copy_stream(batch)
         for copy in copies:
             if copy.to_host:
                 self.stats.blocks_to_host += 1
@@ -76,17 +85,44 @@ class KVTransfer:
                 self.stats.blocks_to_gpu += 1
                 self.stats.bytes_to_gpu += self.block_bytes
 
-    def _run_on_copy_stream(self, copies: Sequence[BlockCopy]) -> None:
+    def _run_on_copy_stream(self, batch: CopyBatch) -> None:
         compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            start.record()
-            self._run_batches(copies)
-            end.record()
-        compute.wait_event(end)
-        self._timings.append((start, end))
+        fence = self._fence_event(batch.fence)
+        if batch.fence == batch.index:  # a write-back conflicts inside the batch
+            urgent, background = batch.copies, []
+        else:
+            urgent = [c for c in batch.copies if not c.background]
+            background = [c for c in batch.copies if c.background]
+        if urgent:
+            self.stream.wait_stream(compute)
+            if fence is not None:
+                self.stream.wait_event(fence)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                start.record()
+                self._run_batches(urgent)
+                end.record()
+            compute.wait_event(end)
+            self._timings.append((start, end))
+        elif fence is not None:
+            compute.wait_event(fence)
+        if background:
+            self.background.wait_stream(compute)
+            self.background.wait_stream(self.stream)
+            with torch.cuda.stream(self.background):
+                self._run_batches(background)
+                done = torch.cuda.Event()
+                done.record()
+            self._write_back_done[batch.index] = done
         self._harvest(wait=False)
+
+    def _fence_event(self, fence: int) -> torch.cuda.Event | None:
+        """The event of the latest earlier write-back batch <= fence still in
+        flight (one stream: the ones before it land first); prunes finished ones."""
+        for index in [i for i, e in self._write_back_done.items() if e.query()]:
+            del self._write_back_done[index]
+        pending = [i for i in self._write_back_done if i <= fence]
+        return self._write_back_done[max(pending)] if pending else None
 
     def _run_batches(self, copies: Sequence[BlockCopy]) -> None:
         for to_host, batch in _batches(copies):
@@ -98,8 +134,17 @@ class KVTransfer:
                 self._to_gpu(gpu_ids, slots)
 
     # ---- copies ------------------------------------------------------
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device without a blocking copy (a pageable source
+        would synchronise the host with the copy stream, and so with the
+        forward in flight)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def _to_host(self, gpu_ids: list[int], slots: list[int]) -> None:
-        index = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
+        index = self._index(gpu_ids)
         staged = torch.stack([kv.index_select(1, index) for kv in self.kv_caches])
         staged = staged.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, G, 2, bs, H, D]
         for pos, chunk, row, length in self._runs(slots):
@@ -110,7 +155,7 @@ class KVTransfer:
                              device=self.device)
         for pos, chunk, row, length in self._runs(slots):
             staged[pos:pos + length].copy_(chunk[row:row + length], non_blocking=True)
-        index = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
+        index = self._index(gpu_ids)
         for j, kv in enumerate(self.kv_caches):
             kv.index_copy_(1, index, staged[:, j].transpose(0, 1))
 

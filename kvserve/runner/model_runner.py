@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.runner.batch import ModelInputs, prepare_inputs
-from kvserve.cache.host_tier import BlockCopy
+from kvserve.cache.host_tier import CopyBatch
 from kvserve.runner.cuda_graph import DecodeGraphs
 from kvserve.runner.kv_transfer import KVTransfer
 from kvserve.request import PENDING_TOKEN
@@ -71,8 +71,9 @@ class ModelRunner:
         return self.kv_transfer
 
     @torch.inference_mode()
-    def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Run queued GPU<->host block copies; later GPU work is ordered after them."""
+    def copy_blocks(self, copies: CopyBatch) -> None:
+        """Run a step's GPU<->host block copies; later GPU work is ordered after
+        the ones it depends on."""
         if not copies:
             return
         if self.kv_transfer is None:

@@ -45,6 +45,8 @@ COUNTERS = {
     "kv_host_swap_drops": ("kvserve:kv_host_swap_drops",
                            "Swaps abandoned because their cached prefix left both tiers (recomputed)."),
     "kv_host_evictions": ("kvserve:kv_host_evictions", "Cached blocks evicted from the host tier."),
+    "kv_host_write_backs": ("kvserve:kv_host_write_backs",
+                            "Freed cached blocks copied to the host tier in the background."),
 }
 
 
