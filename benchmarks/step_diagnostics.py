@@ -1,0 +1,115 @@
+"""Device diagnostics behind the 2026-11-29 session-2 notes in docs/BENCHMARKS.md (H200):
+
+  python3 benchmarks/step_diagnostics.py copy      # KVTransfer speed vs batch size and slot order
+  python3 benchmarks/step_diagnostics.py pcie      # raw pinned H2D / D2H bandwidth
+  python3 benchmarks/step_diagnostics.py batch24   # kernel-time profile of 30 engine steps, 24 x 3.6K context
+  python3 benchmarks/step_diagnostics.py batch1    # the same at batch 1 (128-token prompt)
+  python3 benchmarks/step_diagnostics.py decode24  # steady decode ms/step, 24 x ~3.7K context (wall clock)
+
+An A/B against an older tree runs the same script with PYTHONPATH pointing at it
+(`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
+MIN_SPLIT=N overrides the decode kernel's min_split_keys for the run.
+"""
+import os
+import random
+import sys
+import time
+
+import torch
+
+
+def patch_decode_config() -> None:
+    if os.environ.get("MIN_SPLIT"):
+        from kvserve.attention.kernels import decode
+        defaults = list(decode.decode_attention.__defaults__)
+        defaults[0] = decode.DecodeConfig(min_split_keys=int(os.environ["MIN_SPLIT"]))
+        decode.decode_attention.__defaults__ = tuple(defaults)
+
+
+def copy_speed() -> None:
+    from kvserve.cache.host_tier import BlockCopy, CopyBatch
+    from kvserve.runner.kv_transfer import KVTransfer
+    caches = [torch.randn(2, 4097, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(36)]
+    transfer = KVTransfer(caches, 1024, torch.device("cuda"))
+
+    def timed(copies, label):
+        run = lambda: transfer.run(CopyBatch(copies))  # noqa: E731
+        run(); torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - start) / 3
+        print(f"{label}: {len(copies)} blocks {len(copies) * transfer.block_bytes / dt / 1e9:.1f} GB/s ({dt * 1e3:.1f} ms)")
+    rng = random.Random(0)
+    for n in (16, 64, 256):
+        timed([BlockCopy(True, 100 + i, i) for i in range(n)], "to_host consecutive")
+        timed([BlockCopy(False, 100 + i, i) for i in range(n)], "to_gpu consecutive")
+        slots = rng.sample(range(1024), n)
+        timed([BlockCopy(True, 100 + i, s) for i, s in enumerate(slots)], "to_host scattered")
+        timed([BlockCopy(False, 100 + i, s) for i, s in enumerate(slots)], "to_gpu scattered")
+
+
+def pcie() -> None:
+    for n in (64 << 20, 512 << 20):
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        for name, f in (("H2D", lambda: dev.copy_(host, non_blocking=True)),
+                        ("D2H", lambda: host.copy_(dev, non_blocking=True))):
+            f(); torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                f()
+            torch.cuda.synchronize()
+            print(f"{name} {n >> 20} MB: {5 * n / (time.perf_counter() - start) / 1e9:.1f} GB/s")
+
+
+def step_profile(what: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    from kvserve import LLM, SamplingParams
+    n, plen, out = (24, 3600, 48) if what == "batch24" else (1, 128, 48)
+    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384)
+    prompts = [[100 + (i * 7 + j) % 5000 for j in range(plen)] for i in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.reset_prefix_cache()
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(engine.make_request(p, params))
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start, k = time.perf_counter(), 0
+        while engine.has_unfinished_requests() and k < 30:
+            engine.step()
+            k += 1
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    print(f"{what}: {k} steps, wall {wall / k * 1e3:.2f} ms/step (profiler on)")
+    events = prof.key_averages()
+    print(f"GPU kernel time {sum(e.self_device_time_total for e in events) / 1e3 / k:.2f} ms/step")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
+        if e.self_device_time_total > 0:
+            print(f"  {e.self_device_time_total / 1e3 / k:7.3f} ms/step  n={e.count / k:6.1f}  {e.key[:90]}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def decode24() -> None:
+    from kvserve import LLM, SamplingParams
+    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384)
+    prompts = [{"prompt_token_ids": [100 + (i * 7919 + j * 31) % 90000 for j in range(3600)]} for i in range(24)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    times = {}
+    for out in (1, 129):  # prompts are cached now: the difference is 128 decode steps
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True), use_tqdm=False)
+        times[out] = time.perf_counter() - start
+    print(f"decode24: {(times[129] - times[1]) / 128 * 1e3:.2f} ms/step (24 seqs x ~3.7K context)")
+
+
+if __name__ == "__main__":
+    patch_decode_config()
+    what = sys.argv[1]
+    {"copy": copy_speed, "pcie": pcie, "decode24": decode24}.get(what, lambda: step_profile(what))()
