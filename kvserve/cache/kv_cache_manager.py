@@ -30,8 +30,9 @@ path. With prefix caching only the tail past the blocks already offered to
 the hash map is copied: the cached prefix stays in the GPU cache (and goes to
 the host on eviction like any cached block), and swap-in looks it up again;
 if part of it is gone everywhere, the swap is dropped and the request
-resumes from the prefix that is left, recomputing the rest. Every queued copy must be executed, in order, before the next forward:
-the scheduler hands them over with `take_pending_copies`.
+resumes from the prefix that is left, recomputing the rest. The queued copies
+go to the runner as one `CopyBatch` per step (`take_pending_copies`); what the
+next forward must wait for is `host_tier.py`'s rule.
 """
 from __future__ import annotations
 
