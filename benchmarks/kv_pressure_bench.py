@@ -43,7 +43,8 @@ def make_engine(args):
     kw = {"num_kv_blocks": args.cap_tokens // 16 + 1} if args.cap_tokens else {}
     llm = LLM(args.model, max_model_len=8192, gpu_memory_utilization=0.85,
               max_num_batched_tokens=16384, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
-              eviction_policy=args.eviction_policy, preemption_mode=args.preemption_mode, **kw)
+              eviction_policy=args.eviction_policy, preemption_mode=args.preemption_mode,
+              kv_rotation_interval=args.kv_rotation_interval, **kw)
     return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
@@ -129,6 +130,7 @@ def main():
     ap.add_argument("--model", default="dummy:qwen3-8b",
                     help="kvserve only: another model (e.g. a tiny checkpoint dir to simulate the schedule on CPU)")
     ap.add_argument("--preemption-mode", default="auto")
+    ap.add_argument("--kv-rotation-interval", type=int, default=0, help="kvserve only (scheduler.py)")
     ap.add_argument("--stats", action="store_true", help="kvserve only: print engine counters after each run")
     args = ap.parse_args()
     names = args.workload.split(",")

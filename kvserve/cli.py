@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", default="lru", choices=["lru", "reuse"],
                    help="GPU prefix-block eviction order (reuse: leaves first, never-hit blocks first)")
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    p.add_argument("--kv-rotation-interval", type=int, default=0,
+                   help="at the tail of a burst, rotate KV-blocked requests in every N steps (0: off)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -36,7 +38,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=a.max_model_len, num_kv_blocks=a.num_kv_blocks,
                 kv_cache_memory_gb=a.kv_cache_memory_gb, gpu_memory_utilization=a.gpu_memory_utilization,
                 enforce_eager=a.enforce_eager, seed=a.seed, cpu_kv_cache_gb=a.cpu_kv_cache_gb,
-                eviction_policy=a.eviction_policy, preemption_mode=a.preemption_mode)
+                eviction_policy=a.eviction_policy, preemption_mode=a.preemption_mode,
+                kv_rotation_interval=a.kv_rotation_interval)
 
 
 def _sampling(a: argparse.Namespace):

@@ -56,8 +56,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int = 8192
+    # > 0: while the head of the queue waits for KV space, every this many
+    # steps the running request furthest ahead is preempted to let it in
+    # (time-slicing the KV cache; see scheduler.py). 0 turns it off.
+    kv_rotation_interval: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_rotation_interval < 0:
+            raise ValueError(f"kv_rotation_interval must be >= 0, got {self.kv_rotation_interval}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -91,6 +97,7 @@ class EngineArgs:
     eviction_policy: str = "lru"
     preemption_mode: str = "auto"
     kv_copy_bandwidth_gbps: float = 25.0
+    kv_rotation_interval: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,4 +123,5 @@ class EngineArgs:
                              f"length {model_max_len}")
         budget = self.max_num_batched_tokens or 8192
         return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
-                               max_model_len=max_model_len)
+                               max_model_len=max_model_len,
+                               kv_rotation_interval=self.kv_rotation_interval)

@@ -13,6 +13,18 @@ is swapped out to the host tier instead of recomputed when `PreemptionCosts`
 estimates the copies (out and back) cheaper than recomputing its tokens; a
 swapped request is re-admitted like any other, its KV coming back as a hit.
 Block copies the KV cache queued during a step travel in `kv_copies`.
+
+KV rotation (`kv_rotation_interval` > 0): when the KV cache, not the token
+budget, keeps the head of the queue waiting, requests that arrived together
+would otherwise finish in waves, and the last wave decodes a few sequences at
+the full weight-read cost of a step. So while fewer requests wait than run
+(the tail of a burst; with a long queue the batch stays full anyway), every
+`kv_rotation_interval` steps of such
+waiting, the running request with the most output tokens is preempted (swap or
+recompute, as above) and rejoins at the back of the queue, so the head gets
+in; the batch stays full and all requests finish close together. A victim
+must be ahead of the head by more than one interval, so two requests never
+trade places back and forth.
 """
 from __future__ import annotations
 
@@ -96,6 +108,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
+        self.num_rotations = 0
+        # Consecutive steps the queue's head waited for KV space (not budget).
+        self._kv_blocked_steps = 0
 
     # -- queue management ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,8 +138,9 @@ class Scheduler:
     # -- one step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        rotated = self._maybe_rotate(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        if len(out.preempted) == rotated:  # nobody was preempted for lack of blocks
             self._schedule_waiting(out, budget)
         out.kv_copies = self.kv_cache.take_pending_copies()
         return out
@@ -169,18 +185,45 @@ class Scheduler:
         return (self.costs.mode != "recompute" and self.kv_cache.can_swap_out(request)
                 and self.costs.prefers_swap(*self.kv_cache.swap_out_cost(request)))
 
+    def _maybe_rotate(self, out: SchedulerOutput) -> int:
+        """KV rotation (module doc): preempt the running request furthest ahead
+        of the waiting head, before this step schedules anyone; it rejoins at
+        the back of the queue. Returns the number preempted (0 or 1)."""
+        interval = self.config.kv_rotation_interval
+        if not interval or not self.waiting or self._kv_blocked_steps < interval:
+            return 0
+        if len(self.waiting) >= len(self.running):
+            return 0  # not the tail of a burst: the batch stays full without rotating
+        head_progress = len(self.waiting[0].output_token_ids)
+        candidates = [r for r in self.running if r.can_grow and r.output_token_ids
+                      and len(r.output_token_ids) > head_progress + interval]
+        if not candidates:
+            return 0
+        victim = max(candidates, key=lambda r: len(r.output_token_ids))
+        self.running.remove(victim)
+        self._preempt(victim)
+        self.waiting.remove(victim)  # _preempt put it at the front
+        self.waiting.append(victim)
+        out.preempted.append(victim)
+        self.num_rotations += 1
+        self._kv_blocked_steps = 0
+        return 1
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed):
+                blocked = True
                 break  # First come first served: nobody overtakes the head.
             self.kv_cache.record_prefix_lookup(request, num_hit, computed)
             self.waiting.popleft()
             self._admit(request, num_hit)
             out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
+        self._kv_blocked_steps = self._kv_blocked_steps + 1 if blocked else 0
 
     def _admit(self, request: Request, num_hit: int) -> None:
         request.num_computed_tokens = num_hit

@@ -217,6 +217,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "kv_cache_evictions": kv.num_evictions,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_kv_rotations": self.scheduler.num_rotations,
             "kv_cache_fragmentation": kv.fragmentation(),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),

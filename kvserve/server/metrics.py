@@ -32,6 +32,8 @@ COUNTERS = {
     "kv_cache_evictions": ("kvserve:kv_cache_evictions",
                            "Cached blocks evicted to make room for new allocations."),
     "num_preemptions": ("kvserve:num_preemptions", "Requests preempted (KV freed, recomputed later)."),
+    "num_kv_rotations": ("kvserve:num_kv_rotations",
+                         "Preemptions made to rotate a KV-blocked request in (kv_rotation_interval)."),
     "num_generation_tokens": ("kvserve:generation_tokens", "Tokens generated."),
     "kv_host_hit_tokens": ("kvserve:kv_host_hit_tokens", "Prompt tokens whose KV was loaded from the host tier."),
     "kv_host_blocks_to_host": ("kvserve:kv_host_blocks_to_host", "KV blocks copied GPU -> host."),
