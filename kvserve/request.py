@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.detokenizer import DetokenizerState
 from kvserve.sampling_params import SamplingParams
 
 
@@ -60,8 +61,12 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Detokenized text so far (engine-owned, used for stop strings).
+    # Text cut at a stop string (engine-owned; set when one is hit).
     output_text: str = ""
+    # Incremental detokenization (kvserve/detokenizer.py) and how much of its
+    # text the stop-string check has already scanned.
+    detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
+    stop_checked_chars: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

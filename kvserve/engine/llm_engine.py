@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from kvserve.config import EngineArgs
+from kvserve import detokenizer
 from kvserve.engine.builder import EngineParts, build_engine_parts
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
@@ -175,13 +176,23 @@ class LLMEngine:
         return None
 
     def _hit_stop_string(self, request: Request) -> bool:
-        text = self.detokenize(request.output_token_ids)
+        text = self.output_text_so_far(request)
+        # Only the tail can hold a new match: the text before it was checked.
+        start = max(0, request.stop_checked_chars - max(len(s) for s in request.sampling_params.stop_strings) + 1)
+        request.stop_checked_chars = len(text)
         for stop in request.sampling_params.stop_strings:
-            at = text.find(stop)
+            at = text.find(stop, start)
             if at >= 0:
                 request.output_text, request.stop_reason = text[:at], stop
                 return True
         return False
+
+    def output_text_so_far(self, request: Request) -> str:
+        """The request's output text as far as it is final (incremental, see
+        kvserve/detokenizer.py); a trailing incomplete character is held back."""
+        if self.tokenizer is None:
+            return ""
+        return detokenizer.advance(self.tokenizer, request.detokenizer, request.output_token_ids)
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

@@ -298,7 +298,7 @@ class AsyncEngine:
     def _text_so_far(self, request: Request) -> str:
         """Detokenized output, holding back what may still change: an incomplete
         UTF-8 character, or a tail that could grow into a stop string."""
-        text = self.engine.detokenize(request.output_token_ids).rstrip("\ufffd")
+        text = self.engine.output_text_so_far(request)
         stops = request.sampling_params.stop_strings
         if stops:
             text = text[:max(0, len(text) - max(len(s) for s in stops) + 1)]

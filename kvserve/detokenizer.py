@@ -1,0 +1,38 @@
+"""Incremental detokenization: a request's output text grows by decoding only
+the tokens added since the last call (plus the previous chunk as context),
+not the whole output each time.
+
+Stop-string checks and streamed deltas need the text after every token; a full
+decode each time is quadratic in the output length and runs on the engine
+thread. The window trick (as in vLLM and TGI): decode ids[prefix:read] and
+ids[prefix:], and the new text is what the second adds to the first. Starting
+both at the same token makes tokenizer quirks at a decode's start (a dropped
+leading space) cancel. A window that ends in U+FFFD (an incomplete UTF-8
+character split over byte tokens) is held back until more tokens complete it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DetokenizerState:
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+def advance(tokenizer: Any, state: DetokenizerState, token_ids: list[int]) -> str:
+    """The text of `token_ids` (which only ever grow) as far as it is final."""
+    if state.read_offset >= len(token_ids):
+        return state.text
+    prefix = tokenizer.decode(token_ids[state.prefix_offset:state.read_offset],
+                              skip_special_tokens=True)
+    full = tokenizer.decode(token_ids[state.prefix_offset:], skip_special_tokens=True)
+    if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+        state.text += full[len(prefix):]
+        state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+    return state.text
