@@ -6,6 +6,7 @@
 #   vllm-uncapped  vLLM: code review uncapped + anchor throughput + batch-1 latency (one start)
 #   kvserve        kvserve: the same three runs, plus `kvserve bench throughput` anchor and --latency
 #   kvserve-lru    kvserve: code review capped with plain LRU and no host tier (the collapse we fix)
+#   kvserve-rotation  kvserve: code review + IDE capped, host tier + reuse + KV rotation every 16 steps
 # vLLM comes from .vsite (see ../shared/peers/vllm/README.md for carrying it).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,6 +29,9 @@ case ${1:?stage} in
       timeout 100 python3 -m kvserve.cli bench throughput --model dummy:qwen3-8b --max-model-len 4096 \
         --gpu-memory-utilization 0.85 --max-num-batched-tokens 16384 $mode 2>&1 | grep -v "Processed prompts" | tail -7
     done ;;
+  kvserve-rotation)
+    PYTHONPATH=$PWD timeout 200 $B --engine kvserve --workload code-review,ide --cpu-kv-cache-gb 16 \
+      --eviction-policy reuse --kv-rotation-interval 16 --stats 2>&1 | show ;;
   kvserve-lru)
     PYTHONPATH=$PWD timeout 150 $B --engine kvserve --workload code-review --stats 2>&1 | show ;;
 esac
