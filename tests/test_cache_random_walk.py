@@ -3,9 +3,7 @@
 Mimics the scheduler's contract (get_computed_blocks + allocate_slots, then
 advance num_computed_tokens) through admissions, chunked prefill, decode,
 finish, abort, preemption and re-admission. Besides `check_integrity()` after
-every step it simulates the KV contents: each written slot records the token
-prefix its KV depends on, and every key a step's queries read must hold
-exactly the request's prefix — so a wrong hit (wrong KV) cannot go unnoticed.
+every step it checks the KV contents against `kv_walk.py`'s model.
 """
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ from kvserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
+from kv_walk import SlotContents, write_and_read
 
 FULL = FullAttentionSpec()
 SPEC_SETS = {
@@ -38,8 +37,7 @@ class Walk:
     running: dict[str, Request] = field(default_factory=dict)
     waiting: list[Request] = field(default_factory=list)
     finished_prompts: list[list[int]] = field(default_factory=list)
-    # (block_id, slot) -> the token prefix whose last key was written there.
-    kv: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    kv: SlotContents = field(default_factory=dict)
     next_id: int = 0
     num_hits: int = 0
 
@@ -77,24 +75,6 @@ def check_hit(walk: Walk, request: Request, computed: ComputedBlocks, hit: int) 
             assert block.content.block_index == index
 
 
-def write_and_read(walk: Walk, request: Request, start: int, end: int) -> None:
-    """Write KV for positions [start, end), then check every key the queries read."""
-    tokens = request.all_token_ids
-    bs = walk.block_size
-    for manager, ids in zip(walk.manager.managers, walk.manager.get_block_ids(request.request_id)):
-        assert len(ids) * bs >= end
-        for pos in range(start, end):
-            block = walk.manager.pool.blocks[ids[pos // bs]]
-            assert not block.is_null and block.ref_cnt == 1, "writing into a shared/NULL block"
-            walk.kv[(block.block_id, pos % bs)] = tuple(tokens[:pos + 1])
-        spec = manager.spec
-        needed = set(range(spec.visible_start(start), end)) | set(range(min(spec.sink, end)))
-        for key in needed:
-            assert ids[key // bs] != 0, f"key {key} needed but NULL in {spec.describe()}"
-            assert walk.kv.get((ids[key // bs], key % bs)) == tuple(tokens[:key + 1]), \
-                f"wrong KV for key {key} of {request.request_id} in {spec.describe()}"
-
-
 def admit(walk: Walk, request: Request) -> None:
     manager = walk.manager
     computed, hit = manager.get_computed_blocks(request)
@@ -116,7 +96,7 @@ def admit(walk: Walk, request: Request) -> None:
 
 def compute(walk: Walk, request: Request, num_new: int) -> None:
     start = request.num_computed_tokens
-    write_and_read(walk, request, start, start + num_new)
+    write_and_read(walk.manager, walk.kv, request, start, start + num_new)
     request.num_computed_tokens += num_new
     if request.num_computed_tokens == request.num_tokens:  # sampled a token
         request.output_token_ids.append(walk.rng.randrange(50))

@@ -1,10 +1,11 @@
 """Random walks over both KV tiers: GPU pool + host tier, with evictions to
 host, host hits, swap-out/swap-in and recompute preemption.
 
-The walk simulates the KV contents of every GPU slot and host slot, executes
-the queued block copies in order before each computation (what the runner
-does before a forward), and checks that every key a query reads holds exactly
-the request's prefix. Integrity is checked after every operation.
+The walk simulates the KV contents of every GPU slot (`kv_walk.py`'s model)
+and host slot, executes the queued block copies before each computation (what
+the runner does before a forward; write-backs as late as allowed), and checks
+that every key a query reads holds exactly the request's prefix. Integrity is
+checked after every operation.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
+from kv_walk import SlotContents, write_and_read
 
 FULL = FullAttentionSpec()
 SPEC_SETS = {"full": [FULL, FULL], "hybrid": [FULL, SlidingWindowSpec(10), FULL, SlidingWindowSpec(17, sink=3)]}
@@ -34,7 +36,7 @@ class TierWalk:
     running: dict[str, Request] = field(default_factory=dict)
     waiting: list[Request] = field(default_factory=list)
     history: list[list[int]] = field(default_factory=list)
-    gpu_kv: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    gpu_kv: SlotContents = field(default_factory=dict)
     host_kv: dict[tuple[int, int], tuple[int, ...] | None] = field(default_factory=dict)
     in_flight: list[tuple[int, BlockCopy]] = field(default_factory=list)  # (batch, write-back)
     next_id: int = 0
@@ -86,14 +88,7 @@ def execute_copy(walk: TierWalk, copy: BlockCopy) -> None:
 def compute(walk: TierWalk, request: Request, num_new: int) -> None:
     run_copies(walk)
     start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-    tokens, bs = request.all_token_ids, walk.bs
-    for manager, ids in zip(walk.manager.managers, walk.manager.get_block_ids(request.request_id)):
-        for pos in range(start, end):
-            walk.gpu_kv[(ids[pos // bs], pos % bs)] = tuple(tokens[:pos + 1])
-        spec = manager.spec
-        for key in set(range(spec.visible_start(start), end)) | set(range(min(spec.sink, end))):
-            assert walk.gpu_kv.get((ids[key // bs], key % bs)) == tuple(tokens[:key + 1]), \
-                f"wrong KV for key {key} of {request.request_id} in {spec.describe()}"
+    write_and_read(walk.manager, walk.gpu_kv, request, start, end)
     request.num_computed_tokens = end
     if end == request.num_tokens:
         request.output_token_ids.append(walk.rng.randrange(40))
