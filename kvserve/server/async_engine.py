@@ -308,7 +308,12 @@ class AsyncEngine:
         request = choice.request
         self._choices.pop(request.request_id, None)
         text = self.engine.make_output(request).outputs[0].text if reason != "abort" else choice.sent_text
-        new_text = text[len(choice.sent_text):] if text.startswith(choice.sent_text) else ""
+        if text.startswith(choice.sent_text):
+            new_text = text[len(choice.sent_text):]
+        else:  # streamed text cannot be taken back; say so rather than drop it silently
+            logger.warning("request %s: final text does not extend the streamed text; "
+                           "sending no final delta", request.request_id)
+            new_text = ""
         delta = Delta(choice.index, request.output_token_ids[choice.num_sent_tokens:], new_text,
                       _new_logprobs(choice), reason, request.num_prompt_tokens,
                       max(request.num_cached_tokens, 0))
