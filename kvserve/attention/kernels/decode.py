@@ -35,6 +35,63 @@ class DecodeConfig:
 
 
 @triton.jit
+def _split_range(num_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of this split's keys. Each sequence divides its own keys
+    evenly over the splits: the grid is planned for the longest context (in a
+    CUDA graph, for the bucket's bound), and a fixed split length would leave
+    shorter sequences on a few programs."""
+    split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), num_splits) * BLOCK_N
+    start = split * split_len
+    return start, tl.minimum(num_keys, start + split_len)
+
+
+@triton.jit
+def _attend_cached(q, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo, table_row,
+                   stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale,
+                   BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the query rows over cached keys [start, end):
+    (running max, running sum, unnormalised output), in log2 units."""
+    dims = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        j = tile + tl.arange(0, BLOCK_N)
+        _, key_valid, kv_offs = page_offsets(
+            j, end, sink_end, lo, table_row, stride_cache_block,
+            stride_cache_offset, kv_head_offset, PAGE_SIZE)
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(key_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_newest(q, k_new, v_new, m_i, l_i, acc, qk_scale, owns):
+    """Fold one more key (the step's own, from registers) into the online
+    softmax; a no-op unless `owns`."""
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+    s_new = tl.where(owns, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
+    p_new = tl.where(owns, tl.exp2(s_new - m_new), 0.0)
+    l_i = l_i * alpha + p_new
+    p_new = p_new.to(v_new.dtype).to(tl.float32)  # rounded like the tile loop's p
+    acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
@@ -53,12 +110,7 @@ def _decode_split_kernel(
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
     num_keys = sink_end + seq_len - lo
-    # Each sequence divides its own keys evenly over the splits: the grid is
-    # planned for the longest context (in a CUDA graph, for the bucket's bound),
-    # and a fixed split length would leave shorter sequences on a few programs.
-    split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), num_splits) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(num_keys, start + split_len)
+    start, end = _split_range(num_keys, split, num_splits, BLOCK_N)
 
     rows = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + rows
@@ -71,65 +123,49 @@ def _decode_split_kernel(
     kv_head_offset = kv_head * stride_cache_head
     # The newest key (virtual index num_keys - 1) is this step's own token.
     # With WRITE_NEW it comes from k_new/v_new, not the cache: the tile loop
-    # stops before it (so its loads feed the dots directly and stay
-    # software-pipelined) and the split that owns it adds it afterwards and
-    # stores it into the cache. No other program reads that slot in this
-    # launch, so no separate cache-write kernel runs before us.
+    # stops before it (a select between a tile's load and its dot would break
+    # the loads' software pipelining) and the split that owns it adds it
+    # afterwards and stores it into the cache. No other program reads that
+    # slot in this launch, so no separate cache-write kernel runs before us.
     newest = num_keys - 1
-    owns_newest = (start <= newest) & (newest < end)
-    loop_end = end
+    cached_end = end
     if WRITE_NEW:
-        loop_end = tl.minimum(end, newest)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in range(start, loop_end, BLOCK_N):
-        j = tile + tl.arange(0, BLOCK_N)
-        _, key_valid, kv_offs = page_offsets(
-            j, loop_end, sink_end, lo, table_row, stride_cache_block,
-            stride_cache_offset, kv_head_offset, PAGE_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(key_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
+        cached_end = tl.minimum(end, newest)
+    m_i, l_i, acc = _attend_cached(
+        q, k_cache_ptr, v_cache_ptr, start, cached_end, sink_end, lo, table_row,
+        stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale,
+        BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
     if WRITE_NEW:
+        owns_newest = (start <= newest) & (newest < end)
         k_new = tl.load(k_new_ptr + token * stride_kt + kv_head * stride_kh + dims)
         v_new = tl.load(v_new_ptr + token * stride_vt + kv_head * stride_vh + dims)
         k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-        s_new = tl.where(owns_newest, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
-        p_new = tl.where(owns_newest, tl.exp2(s_new - m_new), 0.0)
-        l_i = l_i * alpha + p_new
-        p_new = p_new.to(v_new.dtype).to(tl.float32)  # rounded like the loop's p
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        m_i = m_new
+        m_i, l_i, acc = _attend_newest(q, k_new, v_new, m_i, l_i, acc, qk_scale, owns_newest)
         slot = tl.load(slot_mapping_ptr + token)
         if owns_newest & (slot >= 0):  # slot < 0: a padding row of a CUDA graph
             dst = ((slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_offset
                    + kv_head_offset + dims)
             tl.store(k_cache_ptr + dst, k_new)
             tl.store(v_cache_ptr + dst, v_new)
+    _store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
+                 split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
+
+@triton.jit
+def _store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
+                 split, num_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+    """The final output (DIRECT: one split, no reduce) or this split's
+    normalised partial and its log2-sum-exp."""
+    dims = tl.arange(0, HEAD_DIM)
     has_keys = l_i > 0  # an empty split (past this sequence's end) merges as weight 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    if DIRECT:  # one split: this is the final output, no reduce kernel
+    if DIRECT:
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
                  mask=row_valid[:, None])
