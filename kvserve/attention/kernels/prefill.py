@@ -30,6 +30,41 @@ class PrefillConfig:
 
 
 @triton.jit
+def _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, num_keys, sink_end, lo, table_row,
+                    stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale, window, sink,
+                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the query rows (at positions q_pos) over the tile's
+    visible keys, masked causally (and by window + sink): (running sum,
+    unnormalised output)."""
+    dims = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(0, num_keys, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        key, key_valid, kv_offs = page_offsets(
+            j, num_keys, sink_end, lo, table_row, stride_cache_block,
+            stride_cache_offset, kv_head_offset, PAGE_SIZE)
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = key_valid[None, :] & (key[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible &= ((q_pos[:, None] - key[None, :]) < window) | (key[None, :] < sink)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
+                    mask=key_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
@@ -66,30 +101,10 @@ def _prefill_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head * stride_cache_head
 
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, num_keys, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        key, key_valid, kv_offs = page_offsets(
-            j, num_keys, sink_end, lo, table_row, stride_cache_block,
-            stride_cache_offset, kv_head_offset, PAGE_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = key_valid[None, :] & (key[None, :] <= q_pos[:, None])
-        if SLIDING:
-            visible &= ((q_pos[:, None] - key[None, :]) < window) | (key[None, :] < sink)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
+    l_i, acc = _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, num_keys, sink_end, lo,
+                               table_row, stride_cache_block, stride_cache_offset, kv_head_offset,
+                               qk_scale, window, sink, BLOCK_M, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                               SLIDING, DOT_PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(out_ptr + o_offs + dims[None, :], out.to(out_ptr.dtype.element_ty),
