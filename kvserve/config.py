@@ -98,11 +98,16 @@ class EngineArgs:
     preemption_mode: str = "auto"
     kv_copy_bandwidth_gbps: float = 25.0
     kv_rotation_interval: int = 0
+    # Who drives the engine: "llm" (offline batches) or "server"; picks the
+    # default token budget, as vLLM's usage context does.
+    usage: str = "llm"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.usage not in USAGES:
+            raise ValueError(f"usage must be one of {', '.join(USAGES)}, got {self.usage!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         # Validate cache knobs early, before any model loading.
@@ -116,12 +121,27 @@ class EngineArgs:
                            preemption_mode=self.preemption_mode,
                            kv_copy_bandwidth_gbps=self.kv_copy_bandwidth_gbps)
 
-    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+    def scheduler_config(self, model_max_len: int, device_memory_bytes: int = 0,
+                         device_name: str = "") -> SchedulerConfig:
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum context "
                              f"length {model_max_len}")
-        budget = self.max_num_batched_tokens or 8192
+        budget = self.max_num_batched_tokens or default_token_budget(
+            self.usage, device_memory_bytes, device_name)
         return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
                                max_model_len=max_model_len,
                                kv_rotation_interval=self.kv_rotation_interval)
+
+
+USAGES = ("llm", "server")
+
+
+def default_token_budget(usage: str, device_memory_bytes: int, device_name: str = "") -> int:
+    """vLLM's defaults for `max_num_batched_tokens`: on a GPU of >= 70 GiB
+    (not an A100) 16384 for offline batches and 8192 for a server, where long
+    prefill chunks would stall running streams; 8192 offline elsewhere
+    (CPU included: the budget is the chunked-prefill size, not a memory size)."""
+    if device_memory_bytes >= 70 * 2**30 and "a100" not in device_name.lower():
+        return 16384 if usage == "llm" else 8192
+    return 8192

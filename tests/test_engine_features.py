@@ -189,3 +189,17 @@ def test_embedded_model_knows_paris():
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_default_token_budget_follows_vllm():
+    from kvserve.config import EngineArgs, default_token_budget
+    h200, a100 = 143 * 2**30, 80 * 2**30
+    assert default_token_budget("llm", h200, "NVIDIA H200") == 16384
+    assert default_token_budget("server", h200, "NVIDIA H200") == 8192
+    assert default_token_budget("llm", a100, "NVIDIA A100-SXM4-80GB") == 8192
+    assert default_token_budget("llm", 24 * 2**30, "NVIDIA L4") == 8192
+    assert default_token_budget("llm", 0) == 8192  # CPU
+    assert EngineArgs().scheduler_config(4096, h200, "NVIDIA H200").max_num_batched_tokens == 16384
+    assert EngineArgs(max_num_batched_tokens=512).scheduler_config(4096, h200).max_num_batched_tokens == 512
+    with pytest.raises(ValueError, match="usage must be one of llm, server, got 'batch'"):
+        EngineArgs(usage="batch")

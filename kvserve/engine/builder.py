@@ -50,11 +50,19 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _device_memory(device: torch.device) -> tuple[int, str]:
+    """(total bytes, name) of a CUDA device; (0, "") elsewhere."""
+    if device.type != "cuda":
+        return 0, ""
+    props = torch.cuda.get_device_properties(device)
+    return props.total_memory, props.name
+
+
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
     resolved = resolve_model(args.model, args.load_format, args.hf_overrides)
     config = resolved.config
-    sched_config = args.scheduler_config(config.max_position_embeddings)
+    sched_config = args.scheduler_config(config.max_position_embeddings, *_device_memory(device))
     cache_config = args.cache_config()
     groups = make_kv_cache_groups(list(config.layer_specs))
     dtype = resolve_dtype(args.dtype, device)

@@ -37,7 +37,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {a.max_waiting_requests}")
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(EngineArgs(**engine_kwargs(a)))
+    engine = LLMEngine(EngineArgs(**engine_kwargs(a), usage="server"))
     name = a.served_model_name or default_model_name(a.model)
     app = build_app(engine, name, a.max_waiting_requests)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
