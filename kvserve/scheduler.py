@@ -19,12 +19,11 @@ budget, keeps the head of the queue waiting, requests that arrived together
 would otherwise finish in waves, and the last wave decodes a few sequences at
 the full weight-read cost of a step. So while fewer requests wait than run
 (the tail of a burst; with a long queue the batch stays full anyway), every
-`kv_rotation_interval` steps of such
-waiting, the running request with the most output tokens is preempted (swap or
-recompute, as above) and rejoins at the back of the queue, so the head gets
-in; the batch stays full and all requests finish close together. A victim
-must be ahead of the head by more than one interval, so two requests never
-trade places back and forth.
+`kv_rotation_interval` steps of such waiting the running request with the
+most output tokens is preempted (swap or recompute, as above) and rejoins at
+the back of the queue, so the head gets in; the batch stays full and all
+requests finish close together. A victim must be ahead of the head by more
+than one interval, so two requests never trade places back and forth.
 """
 from __future__ import annotations
 
