@@ -43,6 +43,7 @@ class TransferStats:
     bytes_to_host: int = 0
     bytes_to_gpu: int = 0
     copy_time_s: float = 0.0   # time the forward had to wait for copies (device time on CUDA)
+    waited_bytes: int = 0      # bytes moved inside that time (write-backs are not)
 
 
 class KVTransfer:
@@ -75,6 +76,7 @@ class KVTransfer:
             start = time.perf_counter()
             self._run_batches(copies)
             self.stats.copy_time_s += time.perf_counter() - start
+            self.stats.waited_bytes += len(copies) * self.block_bytes
         else:
             self._run_on_copy_stream(batch)
         for copy in copies:
@@ -104,6 +106,7 @@ class KVTransfer:
                 end.record()
             compute.wait_event(end)
             self._timings.append((start, end))
+            self.stats.waited_bytes += len(urgent) * self.block_bytes
         elif fence is not None:
             compute.wait_event(fence)
         if background:
@@ -179,8 +182,10 @@ class KVTransfer:
             self.stats.copy_time_s += start.elapsed_time(end) / 1000
 
     def measured_bytes_per_s(self) -> float | None:
+        """The copy rate the forward saw: bytes of the copies it waited for over
+        the time it waited (write-backs, which nothing waits for, excluded)."""
         self._harvest(wait=False)
-        moved = self.stats.bytes_to_host + self.stats.bytes_to_gpu
+        moved = self.stats.waited_bytes
         if moved < 64 * self.block_bytes or self.stats.copy_time_s <= 0:
             return None
         return moved / self.stats.copy_time_s
