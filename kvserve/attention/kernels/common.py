@@ -41,3 +41,17 @@ def page_offsets(j, num_keys, sink_end, lo, block_table_row_ptr,
     offsets = (page.to(tl.int64) * stride_cache_block
                + (key % PAGE_SIZE) * stride_cache_offset + kv_head_offset)
     return key, valid, offsets
+
+
+@triton.jit
+def online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of masked scores `s` (log2 units) into the running max,
+    sum and unnormalised output. The tile's V rows are loaded here, after the
+    softmax, where both kernels' loops always loaded them."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=key_valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import dot_precision, page_offsets, visible_range
+from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, page_offsets,
+                                              visible_range)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -65,14 +66,8 @@ def _attend_cached(q, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo, table_
                     mask=key_valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(key_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        v_ptrs = v_cache_ptr + kv_offs[:, None] + dims[None, :]
+        m_i, l_i, acc = online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION)
     return m_i, l_i, acc
 
 

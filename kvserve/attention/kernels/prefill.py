@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import dot_precision, page_offsets, visible_range
+from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, page_offsets,
+                                              visible_range)
 
 LOG2E = 1.4426950408889634
 
@@ -53,14 +54,8 @@ def _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, num_keys, sink_end, lo, 
         if SLIDING:
             visible &= ((q_pos[:, None] - key[None, :]) < window) | (key[None, :] < sink)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        v_ptrs = v_cache_ptr + kv_offs[:, None] + dims[None, :]
+        m_i, l_i, acc = online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION)
     return l_i, acc
 
 
