@@ -79,19 +79,22 @@ def ide(rng):
     return lambda: iter([(prompts, 127, lambda outs: None)])
 
 
-def anchor(_rng):
-    """Issue 5's anchor: 256 x 512 random tokens in / 128 out (the same prompts as vllm_bench_anchor.py)."""
+def anchor_prompts():
+    """The 256 x 512 random-token prompts of vllm_bench_anchor.py."""
     import torch
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(100, 100000, (256, 512), generator=g).tolist()
+    return torch.randint(100, 100000, (256, 512), generator=g).tolist()
+
+
+def anchor(_rng):
+    """Issue 5's anchor: 256 x 512 in / 128 out, after an 8-prompt warm-up."""
+    prompts = anchor_prompts()
     return lambda: iter([(prompts[:8], 128, lambda outs: None), (prompts, 128, lambda outs: None)])
 
 
 def latency(_rng):
     """Batch 1, 128 in / 256 out, run twice (the first warms up)."""
-    import torch
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(100, 100000, (256, 512), generator=g).tolist()[0][:128]
+    prompt = anchor_prompts()[0][:128]
     return lambda: iter([([prompt], 256, lambda outs: None)] * 2)
 
 

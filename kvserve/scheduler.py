@@ -168,7 +168,9 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, to_front: bool = True) -> None:
+        """Release (swap or free) a running request's KV and requeue it: at the
+        front (preempted for lack of blocks) or at the back (rotated out)."""
         if self._should_swap(request):
             self.kv_cache.swap_out(request)
             self.num_swap_preemptions += 1
@@ -178,7 +180,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if to_front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def _should_swap(self, request: Request) -> bool:
         return (self.costs.mode != "recompute" and self.kv_cache.can_swap_out(request)
@@ -200,9 +205,7 @@ class Scheduler:
             return 0
         victim = max(candidates, key=lambda r: len(r.output_token_ids))
         self.running.remove(victim)
-        self._preempt(victim)
-        self.waiting.remove(victim)  # _preempt put it at the front
-        self.waiting.append(victim)
+        self._preempt(victim, to_front=False)
         out.preempted.append(victim)
         self.num_rotations += 1
         self._kv_blocked_steps = 0
