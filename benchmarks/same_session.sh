@@ -7,11 +7,12 @@
 #   kvserve        kvserve: the same three runs, plus `kvserve bench throughput` anchor and --latency
 #   kvserve-lru    kvserve: code review capped with plain LRU and no host tier (the collapse we fix)
 #   kvserve-rotation  kvserve: code review + IDE capped, host tier + reuse + KV rotation every 16 steps
+#   rotation-sweep    kvserve: code review capped, host tier + reuse, rotation interval ${N:-0 8 16 32}
 # vLLM comes from .vsite (see ../shared/peers/vllm/README.md for carrying it).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 B="python3 benchmarks/kv_pressure_bench.py"
-show() { grep -E "RESULT|STATS|startup|passed|failed|error|Error|ms/step|tok/s|engine|----|kvserve  " | grep -v "Processed prompts"; }
+show() { grep -E "batch of|RESULT|STATS|startup|passed|failed|error|Error|ms/step|tok/s|engine|----|kvserve  " | grep -v "Processed prompts"; }
 case ${1:?stage} in
   tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -32,6 +33,12 @@ case ${1:?stage} in
   kvserve-rotation)
     PYTHONPATH=$PWD timeout 200 $B --engine kvserve --workload code-review,ide --cpu-kv-cache-gb 16 \
       --eviction-policy reuse --kv-rotation-interval 16 --stats 2>&1 | show ;;
+  rotation-sweep)
+    for n in ${N:-0 8 16 32}; do
+      echo "== kv-rotation-interval $n"
+      PYTHONPATH=$PWD timeout 120 $B --engine kvserve --workload code-review --cpu-kv-cache-gb 16 \
+        --eviction-policy reuse --kv-rotation-interval $n --stats 2>&1 | show
+    done ;;
   kvserve-lru)
     PYTHONPATH=$PWD timeout 150 $B --engine kvserve --workload code-review --stats 2>&1 | show ;;
 esac

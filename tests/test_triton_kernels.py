@@ -228,7 +228,7 @@ def interpreter_smoke() -> None:
         for num_splits in (3, 8):
             err = check_attention(decodes, full, 8, heads=4, kv_heads=2, head_dim=16, device="cpu",
                                   dtype=torch.float16, fused_write=fused_write,
-                                  decode_config=DecodeConfig(block_n=16, num_splits=num_splits))
+                                  decode_config=DecodeConfig(split_block_n=16, num_splits=num_splits))
             assert err < 1e-2, (num_splits, fused_write, err)
 
 

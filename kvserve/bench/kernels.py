@@ -23,10 +23,10 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 DECODE_VARIANTS = [DecodeConfig(),
-                   DecodeConfig(block_n=32, num_stages=4),
-                   DecodeConfig(block_n=128, num_stages=3),
-                   DecodeConfig(block_n=64, num_stages=4),
-                   DecodeConfig(block_n=64, num_warps=8, num_stages=4),
+                   DecodeConfig.uniform(64, 4, 3),
+                   DecodeConfig.uniform(32, 4, 4),
+                   DecodeConfig.uniform(128, 4, 3),
+                   DecodeConfig.uniform(64, 8, 4),
                    DecodeConfig(num_splits=1),
                    DecodeConfig(num_splits=8)]
 PREFILL_VARIANTS = [PrefillConfig(),
@@ -101,8 +101,9 @@ def _decode_variants(paged: PagedBatch, copy_gbs: float, batch: int,
     for config in DECODE_VARIANTS:
         ms = _median_ms(paged.decode(context, config))
         gbs = decode_bytes(batch, context) / ms / 1e6
-        rows.append(f"  variant bs={block_size} ctx={context} n={config.block_n} "
-                    f"w={config.num_warps} st={config.num_stages} splits={config.num_splits}"
+        n, w, st = config.tile(2)
+        rows.append(f"  variant bs={block_size} ctx={context} split tile n={n} "
+                    f"w={w} st={st} splits={config.num_splits}"
                     f"  {ms * 1e3:8.1f} us  {gbs / copy_gbs:6.1%}")
     return rows
 

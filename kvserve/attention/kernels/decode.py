@@ -25,14 +25,32 @@ MAX_SPLITS = 64
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 64            # keys per tile
+    block_n: int = 64            # keys per tile, unsplit launches (one program per sequence)
     num_warps: int = 4
     num_stages: int = 3
+    # Split launches run many short programs per SM: smaller tiles, two warps and a
+    # deeper pipeline keep more loads in flight (H200 sweep, docs/BENCHMARKS.md: batch
+    # 24 x 3.7K keys 69% -> 80% of copy bandwidth). Unsplit launches (batch >= 128)
+    # keep the larger tile above, which measured 105% there against 85%.
+    split_block_n: int = 32
+    split_num_warps: int = 2
+    split_num_stages: int = 4
     waves: int = 4               # aim for waves * SM count programs
     # Never split below this many keys. Short splits pay off at small batches:
     # one program walking a few hundred keys is latency-bound (H200, batch 1).
     min_split_keys: int = 128
     num_splits: int | None = None  # fixed split count (bench sweeps); None = heuristic
+
+    @staticmethod
+    def uniform(block_n: int, num_warps: int, num_stages: int, **kw) -> "DecodeConfig":
+        """One tile config for split and unsplit launches alike (bench sweeps)."""
+        return DecodeConfig(block_n, num_warps, num_stages, block_n, num_warps, num_stages, **kw)
+
+    def tile(self, num_splits: int) -> tuple[int, int, int]:
+        """(keys per tile, warps, pipeline stages) for a launch of `num_splits`."""
+        if num_splits == 1:
+            return self.block_n, self.num_warps, self.num_stages
+        return self.split_block_n, self.split_num_warps, self.split_num_stages
 
 
 @triton.jit
@@ -205,7 +223,7 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int,
                 config: DecodeConfig) -> int:
     """Programs per (sequence, KV head): enough for `waves` waves over the SMs,
     but no split shorter than `min_split_keys` at the longest context."""
-    tiles = max(1, triton.cdiv(max_keys, config.block_n))
+    tiles = max(1, triton.cdiv(max_keys, config.split_block_n))
     if config.num_splits is not None:
         wanted = config.num_splits
     else:
@@ -234,6 +252,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     max_keys = max_seq_len if window is None else min(max_seq_len, window + sink)
     num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, _sm_count(q.device), config)
     direct = num_splits == 1
+    block_n, num_warps, num_stages = config.tile(num_splits)
     # Direct launches never touch the partials: one dummy element stands in.
     part_shape = (1,) if direct else (num_seqs, num_heads, num_splits, head_dim)
     part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
@@ -249,10 +268,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
         out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=kv_cache.shape[2], BLOCK_N=config.block_n,
+        PAGE_SIZE=kv_cache.shape[2], BLOCK_N=block_n,
         SLIDING=window is not None, DOT_PRECISION=dot_precision(kv_cache.dtype),
         WRITE_NEW=new_kv is not None, DIRECT=direct,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
