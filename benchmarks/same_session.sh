@@ -3,8 +3,9 @@
 # call each, back to back (the machine is given back after ~30 s idle). Repo root on the GPU machine.
 #   tests          GPU tests
 #   vllm-capped    vLLM: code review + IDE under the 65,536-token KV cap (one engine start)
-#   vllm-uncapped  vLLM: code review uncapped + anchor throughput + batch-1 latency (one start)
+#   vllm-uncapped  vLLM: code review uncapped + anchor throughput + batch-1 latency (one start; W= picks)
 #   kvserve        kvserve: the same three runs, plus `kvserve bench throughput` anchor and --latency
+#   kvserve-uncapped  kvserve: code review uncapped
 #   kvserve-lru    kvserve: code review capped with plain LRU and no host tier (the collapse we fix)
 #   kvserve-rotation  kvserve: code review + IDE capped, host tier + reuse + KV rotation every 16 steps
 #   rotation-sweep    kvserve: code review capped, host tier + reuse, rotation interval ${N:-0 8 16 32}
@@ -20,7 +21,7 @@ case ${1:?stage} in
   vllm-capped)
     PYTHONPATH=$PWD/.vsite timeout 590 $B --engine vllm --workload code-review,ide 2>&1 | show ;;
   vllm-uncapped)
-    PYTHONPATH=$PWD/.vsite timeout 590 $B --engine vllm --workload code-review,anchor,latency --cap-tokens 0 2>&1 | show ;;
+    PYTHONPATH=$PWD/.vsite timeout 590 $B --engine vllm --workload ${W:-code-review,anchor,latency} --cap-tokens 0 2>&1 | show ;;
   kvserve)
     export PYTHONPATH=$PWD
     timeout 200 $B --engine kvserve --workload code-review,ide --cpu-kv-cache-gb 16 --eviction-policy reuse --stats 2>&1 | show
@@ -39,6 +40,8 @@ case ${1:?stage} in
       PYTHONPATH=$PWD timeout 120 $B --engine kvserve --workload code-review --cpu-kv-cache-gb 16 \
         --eviction-policy reuse --kv-rotation-interval $n --stats 2>&1 | show
     done ;;
+  kvserve-uncapped)
+    PYTHONPATH=$PWD timeout 150 $B --engine kvserve --workload code-review --cap-tokens 0 --stats 2>&1 | show ;;
   kvserve-lru)
     PYTHONPATH=$PWD timeout 150 $B --engine kvserve --workload code-review --stats 2>&1 | show ;;
 esac

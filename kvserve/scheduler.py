@@ -14,6 +14,14 @@ estimates the copies (out and back) cheaper than recomputing its tokens; a
 swapped request is re-admitted like any other, its KV coming back as a hit.
 Block copies the KV cache queued during a step travel in `kv_copies`.
 
+Load-ahead admission: a waiting request whose hit must be loaded from the
+host tier (a host hit or a swap-in), admitted while other requests run this
+step, gets only its hit blocks now and is scheduled from the next step on.
+Its copies, and those of every admission after it in this step (which wait
+too, first come first served), travel in `kv_prefetch`: the runner starts
+them now and only the next step's forward waits for them, so the load
+overlaps this step's forward instead of stalling it.
+
 KV rotation (`kv_rotation_interval` > 0): when the KV cache, not the token
 budget, keeps the head of the queue waiting, requests that arrived together
 would otherwise finish in waves, and the last wave decodes a few sequences at
@@ -56,6 +64,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Must run before this step's forward (even if nothing is scheduled).
     kv_copies: CopyBatch = field(default_factory=CopyBatch)
+    # Load-ahead admissions' copies: start now, after `kv_copies`; the next step's forward waits.
+    kv_prefetch: CopyBatch = field(default_factory=CopyBatch)
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +118,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.num_rotations = 0
+        self.num_load_ahead = 0
         # Consecutive steps the queue's head waited for KV space (not budget).
         self._kv_blocked_steps = 0
 
@@ -139,9 +150,13 @@ class Scheduler:
         out = SchedulerOutput()
         rotated = self._maybe_rotate(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        deferred = False
         if len(out.preempted) == rotated:  # nobody was preempted for lack of blocks
-            self._schedule_waiting(out, budget)
-        out.kv_copies = self.kv_cache.take_pending_copies()
+            deferred = self._schedule_waiting(out, budget)
+        if deferred:
+            out.kv_prefetch = self.kv_cache.take_pending_copies()
+        else:
+            out.kv_copies = self.kv_cache.take_pending_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -211,21 +226,35 @@ class Scheduler:
         self._kv_blocked_steps = 0
         return 1
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        blocked = False
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> bool:
+        """Admit from the head of the queue; returns True when the step has
+        load-ahead admissions (module doc)."""
+        blocked = deferring = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, computed):
+            if not deferring and out.scheduled and computed.num_host_blocks:
+                out.kv_copies = self.kv_cache.take_pending_copies()  # what this forward waits for
+                deferring = True
+            if deferring:  # room for the whole admission, but only the hit is taken now
+                admitted = (self.kv_cache.can_allocate(request, num_new, computed)
+                            and self.kv_cache.allocate_slots(request, 0, computed))
+            else:
+                admitted = self.kv_cache.allocate_slots(request, num_new, computed)
+            if not admitted:
                 blocked = True
                 break  # First come first served: nobody overtakes the head.
             self.kv_cache.record_prefix_lookup(request, num_hit, computed)
             self.waiting.popleft()
             self._admit(request, num_hit)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
+            if deferring:
+                self.num_load_ahead += 1
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new, num_hit))
             budget -= num_new
         self._kv_blocked_steps = self._kv_blocked_steps + 1 if blocked else 0
+        return deferring
 
     def _admit(self, request: Request, num_hit: int) -> None:
         request.num_computed_tokens = num_hit

@@ -34,11 +34,18 @@ def _run_twice(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return outs
 
 
+# Swap-ins load a step ahead (load-ahead admission). On CPU the runner holds a
+# prefetch back until the next forward, the latest it may land: a forward that
+# read it early would change the outputs (scheduling a load-ahead request in
+# its own admission step fails all three swap-in cases below).
+AHEAD = ("num_load_ahead_admissions", "kv_host_blocks_prefetched")
+
+
 @pytest.mark.parametrize("kwargs, expect", [
-    (dict(preemption_mode="swap", cpu_kv_cache_gb=0.001), ("kv_host_swap_ins", "kv_host_hit_tokens")),
+    (dict(preemption_mode="swap", cpu_kv_cache_gb=0.001), ("kv_host_swap_ins", "kv_host_hit_tokens", *AHEAD)),
     (dict(preemption_mode="recompute", cpu_kv_cache_gb=0.0002, eviction_policy="reuse"),
      ("kv_host_hit_tokens", "kv_host_evictions")),
-    (dict(preemption_mode="auto", cpu_kv_cache_gb=0.001, eviction_policy="reuse"), ("kv_host_swap_ins",)),
+    (dict(preemption_mode="auto", cpu_kv_cache_gb=0.001, eviction_policy="reuse"), ("kv_host_swap_ins", *AHEAD)),
 ])
 def test_greedy_outputs_identical_with_host_tier(llama, kwargs, expect):
     prompts = random_prompts([40, 55, 33, 60, 47, 38], seed=1)
@@ -130,3 +137,39 @@ def test_kv_rotation_finishes_a_burst_in_fewer_steps(llama, cpu_kv_cache_gb):
     assert waves == reference and rotated == reference
     assert m_waves["num_kv_rotations"] == 0 and m_rot["num_kv_rotations"] > 0
     assert m_rot["num_steps"] < 0.9 * m_waves["num_steps"]
+    if cpu_kv_cache_gb:  # rotated-out requests come back through load-ahead swap-ins
+        assert m_rot["num_load_ahead_admissions"] > 0 and m_rot["kv_host_blocks_prefetched"] > 0
+
+
+def test_load_ahead_admission_waits_one_step(llama):
+    """A swapped-out request re-admitted while another runs: its hit blocks are
+    taken and their loads queued as the step's prefetch, but it is scheduled
+    only from the next step on, with the loads already issued."""
+    llm = _llm(llama, num_kv_blocks=40, cpu_kv_cache_gb=0.001, preemption_mode="swap")
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    a, b = random_prompts([40, 30], seed=5)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    req_a, req_b = engine.make_request(a, params), engine.make_request(b, params)
+    for request in (req_a, req_b):
+        engine.add_request(request)
+    for _ in range(3):
+        engine.step()
+    scheduler.running.remove(req_b)
+    scheduler._preempt(req_b)  # swapped out while A keeps running
+    assert engine.kv_cache.get_computed_blocks(req_b)[0].num_host_blocks > 0
+    outs, schedule = [], scheduler.schedule
+    scheduler.schedule = lambda: outs.append(schedule()) or outs[-1]
+    engine.step()
+    out = outs[-1]
+    assert [s.request for s in out.scheduled] == [req_a] and req_b in scheduler.running
+    # The swap-out (queued before this step) is waited for; the loads are not.
+    assert all(c.to_host for c in out.kv_copies.copies)
+    assert any(not c.to_host for c in out.kv_prefetch.copies)
+    assert scheduler.num_load_ahead == 1
+    engine.step()
+    assert [s.request.request_id for s in outs[-1].scheduled] == [req_a.request_id, req_b.request_id]
+    assert not outs[-1].kv_prefetch.copies
+    while engine.has_unfinished_requests():
+        engine.step()
+    reference = _llm(llama).generate([{"prompt_token_ids": p} for p in (a, b)], params, use_tqdm=False)
+    assert [req_a.output_token_ids, req_b.output_token_ids] == [r.outputs[0].token_ids for r in reference]

@@ -67,6 +67,11 @@ class ComputedBlocks:
     epoch: tuple[int, int] = (-1, -1)
     is_swap_in: bool = False
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the hit that admission must load from the host tier."""
+        return sum(1 for group in self.blocks for block in group if block.on_host)
+
     def block_ids(self) -> list[list[int]]:
         """GPU block ids (-1 for blocks still on the host)."""
         return [[-1 if block.on_host else block.block_id for block in group]
@@ -251,6 +256,16 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, total)
         return True
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed: ComputedBlocks | None = None) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed; changes nothing."""
+        hit = computed if computed is not None and computed.num_tokens > 0 else None
+        if hit is not None:
+            self._check_hit_usable(request, hit)
+        first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        return self._can_allocate(request.request_id, hit, first_query_pos,
+                                  first_query_pos + num_new_tokens)
 
     def _fits_in_held_blocks(self, request: Request, total: int) -> bool:
         """True when every group already covers `total` tokens, no sliding group

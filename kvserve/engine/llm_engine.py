@@ -229,6 +229,7 @@ class LLMEngine:
             "kv_cache_evictions": kv.num_evictions,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_kv_rotations": self.scheduler.num_rotations,
+            "num_load_ahead_admissions": self.scheduler.num_load_ahead,
             "kv_cache_fragmentation": kv.fragmentation(),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
@@ -242,7 +243,7 @@ class LLMEngine:
         if transfer is not None:
             return transfer.metrics()
         return {"kv_host_blocks_to_host": 0, "kv_host_blocks_to_gpu": 0, "kv_host_bytes_to_host": 0,
-                "kv_host_bytes_to_gpu": 0, "kv_host_load_wait_s": 0.0}
+                "kv_host_bytes_to_gpu": 0, "kv_host_blocks_prefetched": 0, "kv_host_load_wait_s": 0.0}
 
 
 class EngineStats:

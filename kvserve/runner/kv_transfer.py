@@ -17,9 +17,17 @@ Ordering (CUDA), per `CopyBatch` (the cases are `cache/host_tier.py`'s):
     fence event itself when the batch has no urgent copy);
   - a batch fenced on itself runs in queue order on the copy stream, all of
     it waited for.
-The host is never read by the CPU. On CPU the same code runs synchronously.
+A prefetch batch (`run(batch, prefetch=True)`, the scheduler's load-ahead
+admissions) is ordered the same way, except that the compute stream does not
+wait for it now: `wait_prefetched()`, before the next forward, does. Issued
+before this step's forward is queued, it overlaps that forward.
+The host is never read by the CPU. On CPU the same code runs synchronously,
+except that a prefetch is held back until the next forward (or the next
+copy batch, which the copy stream would queue after it): the latest it may
+land, so a forward that read it early would read stale KV in CPU tests too.
 Urgent copy time (what the forward waited for) is measured with events and
-read lazily; write-back time is not a wait and is not counted.
+read lazily, and so is the part of a prefetch the next forward still had to
+wait for; write-back time is not a wait and is not counted.
 """
 from __future__ import annotations
 
@@ -44,6 +52,8 @@ class TransferStats:
     bytes_to_gpu: int = 0
     copy_time_s: float = 0.0   # time the forward had to wait for copies (device time on CUDA)
     waited_bytes: int = 0      # bytes moved inside that time (write-backs are not)
+    blocks_prefetched: int = 0
+    prefetch_wait_s: float = 0.0  # time a forward waited for the previous step's prefetch
 
 
 class KVTransfer:
@@ -67,18 +77,29 @@ class KVTransfer:
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # Write-back batch index -> event after its copies (dropped once complete).
         self._write_back_done: dict[int, torch.cuda.Event] = {}
+        # The last prefetch: its end event (CUDA) or its held copies (CPU).
+        self._prefetch_end: tuple[torch.cuda.Event, bool] | None = None  # (event, timed)
+        self._prefetch_held: list[BlockCopy] = []
+        self._prefetch_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # ---- entry point -------------------------------------------------
-    def run(self, batch: CopyBatch) -> None:
-        """Execute a step's copies; the next forward waits for what it must (module doc)."""
+    def run(self, batch: CopyBatch, prefetch: bool = False) -> None:
+        """Execute a step's copies; the next forward waits for what it must, a
+        prefetch only the forward after it (module doc)."""
         copies = batch.copies
         if self.stream is None:
-            start = time.perf_counter()
-            self._run_batches(copies)
-            self.stats.copy_time_s += time.perf_counter() - start
-            self.stats.waited_bytes += len(copies) * self.block_bytes
+            self._land_held_prefetch()  # the copy stream would run it first
+            if prefetch:
+                self._prefetch_held = list(copies)
+            else:
+                start = time.perf_counter()
+                self._run_batches(copies)
+                self.stats.copy_time_s += time.perf_counter() - start
+                self.stats.waited_bytes += len(copies) * self.block_bytes
         else:
-            self._run_on_copy_stream(batch)
+            self._run_on_copy_stream(batch, prefetch)
+        if prefetch:
+            self.stats.blocks_prefetched += sum(1 for c in copies if not c.to_host)
         for copy in copies:
             if copy.to_host:
                 self.stats.blocks_to_host += 1
@@ -87,7 +108,26 @@ class KVTransfer:
                 self.stats.blocks_to_gpu += 1
                 self.stats.bytes_to_gpu += self.block_bytes
 
-    def _run_on_copy_stream(self, batch: CopyBatch) -> None:
+    def wait_prefetched(self) -> None:
+        """Order the next forward after the last prefetch (module doc)."""
+        if self.stream is None:
+            self._land_held_prefetch()
+            return
+        if self._prefetch_end is None:
+            return
+        (end, timed), self._prefetch_end = self._prefetch_end, None
+        compute = torch.cuda.current_stream(self.device)
+        if timed:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record(compute)
+            self._prefetch_waits.append((mark, end))
+        compute.wait_event(end)
+
+    def _land_held_prefetch(self) -> None:
+        held, self._prefetch_held = self._prefetch_held, []
+        self._run_batches(held)
+
+    def _run_on_copy_stream(self, batch: CopyBatch, prefetch: bool = False) -> None:
         compute = torch.cuda.current_stream(self.device)
         fence = self._fence_event(batch.fence)
         if batch.fence == batch.index:  # a write-back conflicts inside the batch
@@ -104,11 +144,17 @@ class KVTransfer:
                 start.record()
                 self._run_batches(urgent)
                 end.record()
-            compute.wait_event(end)
-            self._timings.append((start, end))
-            self.stats.waited_bytes += len(urgent) * self.block_bytes
+            if prefetch:
+                self._prefetch_end = (end, True)
+            else:
+                compute.wait_event(end)
+                self._timings.append((start, end))
+                self.stats.waited_bytes += len(urgent) * self.block_bytes
         elif fence is not None:
-            compute.wait_event(fence)
+            if prefetch:
+                self._prefetch_end = (fence, False)
+            else:
+                compute.wait_event(fence)
         if background:
             self.background.wait_stream(compute)
             self.background.wait_stream(self.stream)
@@ -180,6 +226,12 @@ class KVTransfer:
             start, end = self._timings.pop(0)
             end.synchronize()
             self.stats.copy_time_s += start.elapsed_time(end) / 1000
+        while self._prefetch_waits and (wait or self._prefetch_waits[0][0].query()):
+            mark, end = self._prefetch_waits.pop(0)
+            mark.synchronize()
+            end.synchronize()
+            # Negative when the prefetch had landed before the forward was ready to start.
+            self.stats.prefetch_wait_s += max(0.0, mark.elapsed_time(end) / 1000)
 
     def measured_bytes_per_s(self) -> float | None:
         """The copy rate the forward saw: bytes of the copies it waited for over
@@ -195,7 +247,8 @@ class KVTransfer:
         s = self.stats
         return {"kv_host_blocks_to_host": s.blocks_to_host, "kv_host_blocks_to_gpu": s.blocks_to_gpu,
                 "kv_host_bytes_to_host": s.bytes_to_host, "kv_host_bytes_to_gpu": s.bytes_to_gpu,
-                "kv_host_load_wait_s": s.copy_time_s}
+                "kv_host_blocks_prefetched": s.blocks_prefetched,
+                "kv_host_load_wait_s": s.copy_time_s + s.prefetch_wait_s}
 
 
 def _chunk_sizes(num_blocks: int, per_chunk: int) -> list[int]:

@@ -7,7 +7,8 @@ uses tensor j. One block id therefore means "these slots in group g's layers",
 and blocks move freely between groups (see `cache/kv_cache_manager.py`).
 
 With a host tier, `kv_transfer` executes the block copies a step carries
-(`SchedulerOutput.kv_copies`) before that step's forward pass.
+(`SchedulerOutput.kv_copies`) before that step's forward pass, and starts its
+prefetch (`kv_prefetch`) so that it overlaps the forward.
 """
 from __future__ import annotations
 
@@ -71,14 +72,14 @@ class ModelRunner:
         return self.kv_transfer
 
     @torch.inference_mode()
-    def copy_blocks(self, copies: CopyBatch) -> None:
+    def copy_blocks(self, copies: CopyBatch, prefetch: bool = False) -> None:
         """Run a step's GPU<->host block copies; later GPU work is ordered after
-        the ones it depends on."""
+        the ones it depends on (after a prefetch: from the next forward on)."""
         if not copies:
             return
         if self.kv_transfer is None:
             raise RuntimeError("KV block copies were queued but no host tier is attached")
-        self.kv_transfer.run(copies)
+        self.kv_transfer.run(copies, prefetch)
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA graphs for decode batches (CUDA only; `enforce_eager` skips this)."""
@@ -98,6 +99,9 @@ class ModelRunner:
         step N before launching step N+1.
         """
         self.copy_blocks(out.kv_copies)  # before the forward: loads land, saves read old KV
+        if self.kv_transfer is not None:
+            self.kv_transfer.wait_prefetched()  # the last step's load-ahead admissions run now
+        self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
         inputs = prepare_inputs(out.scheduled, block_ids, self.layout.block_size,
                                 self.layout.num_groups, self.device)
         self._fill_pending(inputs, out, previous)
