@@ -48,13 +48,49 @@ def make_engine(args):
     return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def run_batches(llm, sp, batches_fn):
+def watch_steps(llm):
+    """kvserve --step-profile: wrap engine.step to time each step (host wall
+    clock; with one-deep pipelining a step's time is about the previous step's
+    device time) by kind. Returns a function printing and clearing the tally."""
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    tally, schedule, step = {}, scheduler.schedule, engine.step
+    last = {}
+
+    def recorded_schedule():
+        out = last["out"] = schedule()
+        return out
+
+    def timed_step():
+        t = time.perf_counter()
+        touched = step()
+        out = last.pop("out", None)
+        if out is not None and out.scheduled:
+            decode = all(s.num_new_tokens == 1 for s in out.scheduled)
+            kind = (("decode" if decode else "mixed") + (" +copies" if out.kv_copies.copies else "")
+                    + (" +prefetch" if out.kv_prefetch.copies else ""))
+            n, secs, seqs = tally.get(kind, (0, 0.0, 0))
+            tally[kind] = (n + 1, secs + time.perf_counter() - t, seqs + len(out.scheduled))
+        return touched
+
+    scheduler.schedule, engine.step = recorded_schedule, timed_step
+
+    def report():
+        for kind, (n, secs, seqs) in sorted(tally.items()):
+            print(f"  steps {kind:26s} {n:5d}  {secs:6.2f} s  {secs / n * 1e3:6.2f} ms/step  "
+                  f"{seqs / n:5.1f} seqs/step", flush=True)
+        tally.clear()
+    return report
+
+
+def run_batches(llm, sp, batches_fn, report=None):
     cached = prompt = 0
     start = time.perf_counter()
     for prompts, out_len, on_done in batches_fn():
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp(out_len), use_tqdm=False)
         print(f"batch of {len(prompts)}: {time.perf_counter() - t0:.2f} s", flush=True)
+        if report is not None:
+            report()
         for o in outs:
             cached += o.num_cached_tokens or 0
             prompt += len(o.prompt_token_ids)
@@ -115,7 +151,8 @@ def run_workload(llm, sp, args, name):
         if name == "latency":
             res["ms_per_token"] = round(1000 * dt / ntok, 2)
     else:
-        seconds, cached, prompt = run_batches(llm, sp, batches)
+        report = watch_steps(llm) if args.step_profile and args.engine == "kvserve" else None
+        seconds, cached, prompt = run_batches(llm, sp, batches, report)
         res = {"seconds": round(seconds, 2), "hit_rate": round(cached / prompt, 3), "prompt_tokens": prompt}
     return {"engine": args.engine, "workload": name, "cap_tokens": args.cap_tokens,
             "cpu_kv_cache_gb": args.cpu_kv_cache_gb, "eviction_policy": args.eviction_policy, **res}
@@ -135,6 +172,8 @@ def main():
     ap.add_argument("--preemption-mode", default="auto")
     ap.add_argument("--kv-rotation-interval", type=int, default=0, help="kvserve only (scheduler.py)")
     ap.add_argument("--stats", action="store_true", help="kvserve only: print engine counters after each run")
+    ap.add_argument("--step-profile", action="store_true",
+                    help="kvserve only: per batch, step count and host time by step kind")
     args = ap.parse_args()
     names = args.workload.split(",")
     unknown = [n for n in names if n not in WORKLOADS]

@@ -13,7 +13,7 @@
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 B="python3 benchmarks/kv_pressure_bench.py"
-show() { grep -E "batch of|RESULT|STATS|startup|passed|failed|error|Error|ms/step|tok/s|engine|----|kvserve  " | grep -v "Processed prompts"; }
+show() { grep -E "batch of|  steps |RESULT|STATS|startup|passed|failed|error|Error|ms/step|tok/s|engine|----|kvserve  " | grep -v "Processed prompts"; }
 case ${1:?stage} in
   tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -38,7 +38,7 @@ case ${1:?stage} in
     for n in ${N:-0 8 16 32}; do
       echo "== kv-rotation-interval $n"
       PYTHONPATH=$PWD timeout 120 $B --engine kvserve --workload code-review --cpu-kv-cache-gb 16 \
-        --eviction-policy reuse --kv-rotation-interval $n --stats 2>&1 | show
+        --eviction-policy reuse --kv-rotation-interval $n --stats ${PROFILE:+--step-profile} 2>&1 | show
     done ;;
   kvserve-uncapped)
     PYTHONPATH=$PWD timeout 150 $B --engine kvserve --workload code-review --cap-tokens 0 --stats 2>&1 | show ;;
