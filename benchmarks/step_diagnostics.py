@@ -4,6 +4,7 @@
   python3 benchmarks/step_diagnostics.py pcie      # raw pinned H2D / D2H bandwidth
   python3 benchmarks/step_diagnostics.py batch24   # kernel-time profile of 30 engine steps, 24 x 3.6K context
   python3 benchmarks/step_diagnostics.py batch1    # the same at batch 1 (128-token prompt)
+  python3 benchmarks/step_diagnostics.py decode24prof  # batch24's profile, decode steps only
   python3 benchmarks/step_diagnostics.py decode24  # steady decode ms/step, 24 x ~3.7K context (wall clock)
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
@@ -67,7 +68,7 @@ def pcie() -> None:
 def step_profile(what: str) -> None:
     from torch.profiler import ProfilerActivity, profile
     from kvserve import LLM, SamplingParams
-    n, plen, out = (24, 3600, 48) if what == "batch24" else (1, 128, 48)
+    n, plen, out = (24, 3600, 48) if what in ("batch24", "decode24prof") else (1, 128, 48)
     llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384)
     prompts = [[100 + (i * 7 + j) % 5000 for j in range(plen)] for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
@@ -76,7 +77,13 @@ def step_profile(what: str) -> None:
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
-    for _ in range(3):
+    warm = 3
+    if what == "decode24prof":  # profile steady decode only: run until every prefill is done
+        warm = 0
+        while not all(r.num_output_tokens >= 2 for r in engine.requests.values()):
+            engine.step()
+            warm += 1
+    for _ in range(3 if what != "decode24prof" else 2):
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -89,7 +96,7 @@ def step_profile(what: str) -> None:
     print(f"{what}: {k} steps, wall {wall / k * 1e3:.2f} ms/step (profiler on)")
     events = prof.key_averages()
     print(f"GPU kernel time {sum(e.self_device_time_total for e in events) / 1e3 / k:.2f} ms/step")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:22]:
         if e.self_device_time_total > 0:
             print(f"  {e.self_device_time_total / 1e3 / k:7.3f} ms/step  n={e.count / k:6.1f}  {e.key[:90]}")
     while engine.has_unfinished_requests():
