@@ -51,33 +51,45 @@ def make_engine(args):
 def watch_steps(llm):
     """kvserve --step-profile: wrap engine.step to time each step (host wall
     clock; with one-deep pipelining a step's time is about the previous step's
-    device time) by kind. Returns a function printing and clearing the tally."""
+    device time) by kind, and the part of it the host was busy (not waiting
+    for sampled ids): host busy close to the step time means a host-bound
+    step. Returns a function printing and clearing the tally."""
+    from kvserve.runner.model_runner import InFlightStep
     engine, scheduler = llm.engine, llm.engine.scheduler
     tally, schedule, step = {}, scheduler.schedule, engine.step
-    last = {}
+    last = {"wait": 0.0}
+    resolve = InFlightStep.resolve
+
+    def timed_resolve(self):  # the host waiting for the device
+        t = time.perf_counter()
+        result = resolve(self)
+        last["wait"] += time.perf_counter() - t
+        return result
+    InFlightStep.resolve = timed_resolve
 
     def recorded_schedule():
         out = last["out"] = schedule()
         return out
 
     def timed_step():
-        t = time.perf_counter()
+        t, last["wait"] = time.perf_counter(), 0.0
         touched = step()
         out = last.pop("out", None)
         if out is not None and out.scheduled:
             decode = all(s.num_new_tokens == 1 for s in out.scheduled)
             kind = (("decode" if decode else "mixed") + (" +copies" if out.kv_copies.copies else "")
                     + (" +prefetch" if out.kv_prefetch.copies else ""))
-            n, secs, seqs = tally.get(kind, (0, 0.0, 0))
-            tally[kind] = (n + 1, secs + time.perf_counter() - t, seqs + len(out.scheduled))
+            n, secs, seqs, wait = tally.get(kind, (0, 0.0, 0, 0.0))
+            tally[kind] = (n + 1, secs + time.perf_counter() - t, seqs + len(out.scheduled),
+                           wait + last["wait"])
         return touched
 
     scheduler.schedule, engine.step = recorded_schedule, timed_step
 
     def report():
-        for kind, (n, secs, seqs) in sorted(tally.items()):
-            print(f"  steps {kind:26s} {n:5d}  {secs:6.2f} s  {secs / n * 1e3:6.2f} ms/step  "
-                  f"{seqs / n:5.1f} seqs/step", flush=True)
+        for kind, (n, secs, seqs, wait) in sorted(tally.items()):
+            print(f"  steps {kind:26s} {n:5d}  {secs:6.2f} s  {secs / n * 1e3:6.2f} ms/step "
+                  f"(host busy {(secs - wait) / n * 1e3:5.2f})  {seqs / n:5.1f} seqs/step", flush=True)
         tally.clear()
     return report
 

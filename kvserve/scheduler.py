@@ -121,6 +121,9 @@ class Scheduler:
         self.num_load_ahead = 0
         # Consecutive steps the queue's head waited for KV space (not budget).
         self._kv_blocked_steps = 0
+        # (head, free blocks) when the head last failed for KV space: until blocks are
+        # freed it still cannot fit, and its prefix lookup (a walk over both tiers) is skipped.
+        self._blocked_head: tuple[Request, int] | None = None
 
     # -- queue management ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -232,6 +235,10 @@ class Scheduler:
         blocked = deferring = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if (self._blocked_head is not None and self._blocked_head[0] is request
+                    and self.kv_cache.num_free_blocks <= self._blocked_head[1]):
+                blocked = True
+                break
             computed, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if not deferring and out.scheduled and computed.num_host_blocks:
@@ -244,7 +251,9 @@ class Scheduler:
                 admitted = self.kv_cache.allocate_slots(request, num_new, computed)
             if not admitted:
                 blocked = True
+                self._blocked_head = (request, self.kv_cache.num_free_blocks)
                 break  # First come first served: nobody overtakes the head.
+            self._blocked_head = None
             self.kv_cache.record_prefix_lookup(request, num_hit, computed)
             self.waiting.popleft()
             self._admit(request, num_hit)

@@ -104,6 +104,14 @@ def pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tenso
 
 
 def _mover(device: torch.device):
+    return lambda t: upload(t, device)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream. On CUDA a
+    plain `.to(device)` (or `torch.tensor(..., device=...)`) synchronises the
+    host with the stream, i.e. with the step in flight, which would stall the
+    one-deep pipeline; pinned + non-blocking does not."""
     if device.type != "cuda":
-        return lambda t: t.to(device)
-    return lambda t: t.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

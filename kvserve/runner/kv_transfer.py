@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.cache.host_tier import BlockCopy, CopyBatch
+from kvserve.runner.batch import upload
 
 HOST_CHUNK_BYTES = 1 << 30
 # Bounds the GPU staging buffer of one batch of copies.
@@ -187,10 +188,7 @@ class KVTransfer:
         """Block ids on the device without a blocking copy (a pageable source
         would synchronise the host with the copy stream, and so with the
         forward in flight)."""
-        host = torch.tensor(ids, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return upload(torch.tensor(ids, dtype=torch.long), self.device)
 
     def _to_host(self, gpu_ids: list[int], slots: list[int]) -> None:
         index = self._index(gpu_ids)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.runner.batch import ModelInputs, prepare_inputs
+from kvserve.runner.batch import ModelInputs, prepare_inputs, upload
 from kvserve.cache.host_tier import CopyBatch
 from kvserve.runner.cuda_graph import DecodeGraphs
 from kvserve.runner.kv_transfer import KVTransfer
@@ -125,8 +125,9 @@ class ModelRunner:
             raise RuntimeError("a scheduled token is pending but no step is in flight")
         seq = inputs.host.seq_idx[flat].tolist()
         rows = [previous.row_of[out.scheduled[i].request.request_id] for i in seq]
-        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        inputs.input_ids[flat.to(self.device)] = previous.sample.token_ids[index]
+        # Not a plain .to(device): that would wait for the step in flight (`upload`).
+        index = upload(torch.tensor(rows, dtype=torch.long), self.device)
+        inputs.input_ids[upload(flat, self.device)] = previous.sample.token_ids[index]
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         meta = inputs.meta

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.runner.batch import upload
 from kvserve.sampling_params import SamplingParams
 
 
@@ -54,8 +55,8 @@ class Sampler:
     def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
                       request_ids: list[str]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
-        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
-                             device=logits.device).unsqueeze(1)
+        temps = upload(torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params]),
+                       logits.device).unsqueeze(1)
         probs = torch.softmax(_filter_logits(logits / temps, params), dim=-1)
         ids = torch.empty_like(greedy)
         for i, (p, rid) in enumerate(zip(params, request_ids)):
@@ -124,9 +125,9 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """Apply top-k, top-p and min-p per row (rows not asking are untouched)."""
     neg_inf = torch.finfo(logits.dtype).min
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    top_k = upload(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), logits.device)
+    top_p = upload(torch.tensor([p.top_p for p in params]), logits.device)
+    min_p = upload(torch.tensor([p.min_p for p in params]), logits.device)
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
