@@ -108,3 +108,27 @@ def test_host_tier_on_cuda_keeps_greedy_outputs(tmp_path, preemption_mode):
                  eviction_policy="reuse")
     assert got == reference
     assert m["num_preemptions"] > 0 and m["kv_host_hit_tokens"] > 0 and m["kv_host_blocks_to_host"] > 0
+
+
+def test_decode_steps_never_synchronise_the_host(tmp_path):
+    """The step loop is pipelined one deep: step N+1 is queued before step N's
+    ids are read. A blocking upload (a plain `.to("cuda")` of a host tensor)
+    silently waits for the step in flight instead; sync debug mode turns any
+    such call in steady decode into an error."""
+    path = save_tiny_checkpoint("qwen3", tmp_path / "q")
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=256, kv_cache_memory_gb=1,
+              cpu_kv_cache_gb=0.01)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for p in random_prompts([30, 41, 17, 52], seed=4):
+        engine.add_request(engine.make_request(p, params))
+    while not all(r.num_output_tokens >= 2 for r in engine.requests.values()):
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished_requests():
+        engine.step()

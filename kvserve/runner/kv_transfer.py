@@ -224,7 +224,7 @@ class KVTransfer:
             start, end = self._timings.pop(0)
             end.synchronize()
             self.stats.copy_time_s += start.elapsed_time(end) / 1000
-        while self._prefetch_waits and (wait or self._prefetch_waits[0][0].query()):
+        while self._prefetch_waits and (wait or all(e.query() for e in self._prefetch_waits[0])):
             mark, end = self._prefetch_waits.pop(0)
             mark.synchronize()
             end.synchronize()
