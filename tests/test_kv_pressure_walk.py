@@ -6,6 +6,13 @@ and host slot, executes the queued block copies before each computation (what
 the runner does before a forward; write-backs as late as allowed), and checks
 that every key a query reads holds exactly the request's prefix. Integrity is
 checked after every operation.
+
+Load-ahead admission (scheduler.py) is walked too: a deferred request takes
+only its hit blocks, and its copies are a prefetch held back as long as the
+engine allows: through one more computation of an already-running request
+(the step in which it was admitted), landing before anything else computes,
+before any later copy (one copy stream), and before any other operation's
+computation (the next step's forward waits for it).
 """
 from __future__ import annotations
 
@@ -39,8 +46,12 @@ class TierWalk:
     gpu_kv: SlotContents = field(default_factory=dict)
     host_kv: dict[tuple[int, int], tuple[int, ...] | None] = field(default_factory=dict)
     in_flight: list[tuple[int, BlockCopy]] = field(default_factory=list)  # (batch, write-back)
+    prefetch: list[BlockCopy] = field(default_factory=list)  # a held load-ahead batch
+    loading: set[str] = field(default_factory=set)  # requests admitted by it
+    grace: bool = False  # the step it was issued in has not computed yet
     next_id: int = 0
     stranded: int = 0
+    deferred: int = 0
 
     @property
     def bs(self) -> int:
@@ -53,6 +64,8 @@ def run_copies(walk: TierWalk) -> None:
     as the streams allow (only when a fence waits for them, or at the very
     end), so a missing fence shows up as wrong KV read back later."""
     batch = walk.manager.take_pending_copies()
+    if batch:
+        land_prefetch(walk)  # queued earlier on the same copy stream
     while walk.in_flight and walk.in_flight[0][0] <= batch.fence:
         execute_copy(walk, walk.in_flight.pop(0)[1])
     if batch.fence == batch.index:  # fenced on itself: all of it, in queue order
@@ -65,7 +78,14 @@ def run_copies(walk: TierWalk) -> None:
     walk.in_flight += [(batch.index, copy) for copy in batch.copies if copy.background]
 
 
+def land_prefetch(walk: TierWalk) -> None:
+    for copy in walk.prefetch:
+        execute_copy(walk, copy)
+    walk.prefetch, walk.loading, walk.grace = [], set(), False
+
+
 def land_all(walk: TierWalk) -> None:
+    land_prefetch(walk)
     run_copies(walk)
     for _, copy in walk.in_flight:
         execute_copy(walk, copy)
@@ -87,6 +107,9 @@ def execute_copy(walk: TierWalk, copy: BlockCopy) -> None:
 
 def compute(walk: TierWalk, request: Request, num_new: int) -> None:
     run_copies(walk)
+    if not walk.grace or request.request_id in walk.loading:
+        land_prefetch(walk)
+    walk.grace = False
     start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
     write_and_read(walk.manager, walk.gpu_kv, request, start, end)
     request.num_computed_tokens = end
@@ -104,6 +127,29 @@ def admit(walk: TierWalk, request: Request) -> None:
     request.num_computed_tokens = hit
     walk.running[request.request_id] = request
     compute(walk, request, chunk)
+
+
+def defer_admit(walk: TierWalk, request: Request) -> None:
+    """Load-ahead admission: room for the whole first chunk, only the hit taken
+    now; the copies become the held prefetch (module doc)."""
+    manager = walk.manager
+    land_prefetch(walk)  # one held prefetch at a time
+    run_copies(walk)  # what the step's forward waits for
+    computed, hit = manager.get_computed_blocks(request)
+    chunk = walk.rng.randint(1, request.num_tokens - hit)
+    if not (manager.can_allocate(request, chunk, computed) and manager.allocate_slots(request, 0, computed)):
+        return walk.waiting.append(request) if request.num_preemptions else None
+    manager.record_prefix_lookup(request, hit, computed)
+    request.num_computed_tokens = hit
+    walk.running[request.request_id] = request
+    batch = manager.take_pending_copies()
+    while walk.in_flight and walk.in_flight[0][0] <= batch.fence:
+        execute_copy(walk, walk.in_flight.pop(0)[1])
+    walk.prefetch = [c for c in batch.copies if batch.fence == batch.index or not c.background]
+    walk.in_flight += [(batch.index, c) for c in batch.copies if c not in walk.prefetch]
+    walk.loading.add(request.request_id)
+    walk.grace = True
+    walk.deferred += 1
 
 
 def preempt(walk: TierWalk, request: Request) -> None:
@@ -137,8 +183,10 @@ def finish(walk: TierWalk, request: Request, keep: bool) -> None:
 
 def random_op(walk: TierWalk) -> None:
     rng = walk.rng
-    op = rng.choices(["new", "turn", "resume", "step", "preempt", "finish", "abort"],
-                     weights=[3, 3, 2, 10, 1, 2, 1])[0]
+    op = rng.choices(["new", "turn", "resume", "defer", "step", "preempt", "finish", "abort"],
+                     weights=[3, 3, 2, 2, 10, 1, 2, 1])[0]
+    if op != "step":
+        walk.grace = False  # only the admitting step's own forward may skip the prefetch
     if op == "new" or (op == "turn" and not walk.history):
         prefix = rng.choice(walk.prefixes)
         walk.next_id += 1
@@ -150,6 +198,13 @@ def random_op(walk: TierWalk) -> None:
         admit(walk, Request(f"r{walk.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
     elif op == "resume" and walk.waiting:
         admit(walk, walk.waiting.pop(0))
+    elif op == "defer" and (walk.waiting or walk.history):
+        if walk.waiting:
+            defer_admit(walk, walk.waiting.pop(0))
+        else:
+            walk.next_id += 1
+            prompt = rng.choice(walk.history)[:MAX_TOKENS - 10] + [rng.randrange(40) for _ in range(rng.randint(1, 8))]
+            defer_admit(walk, Request(f"r{walk.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
     elif op == "step" and walk.running:
         step(walk)
     elif op == "preempt" and walk.running:
@@ -203,6 +258,7 @@ def test_two_tier_random_walk(spec_set: str, policy: str, seed: int) -> None:
     assert manager.host_tier.num_evictions > 0, "the host tier never filled"
     if policy == "reuse":
         assert walk.stranded == 0
+    assert walk.deferred > 0, "the walk never admitted ahead of a load"
 
 
 def test_walks_drop_swaps_whose_prefix_left_both_tiers() -> None:
