@@ -23,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cpu-kv-cache-gb", type=float, default=0.0,
                    help="host-memory KV tier for evicted prefix blocks and swapped requests (0: off)")
-    p.add_argument("--eviction-policy", default="lru", choices=["lru", "reuse"],
+    p.add_argument("--eviction-policy", default="reuse", choices=["lru", "reuse"],
                    help="GPU prefix-block eviction order (reuse: leaves first, never-hit blocks first)")
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     p.add_argument("--kv-rotation-interval", type=int, default=0,

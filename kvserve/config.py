@@ -22,7 +22,7 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 0.0
-    eviction_policy: str = "lru"
+    eviction_policy: str = "reuse"
     preemption_mode: str = "auto"
     kv_copy_bandwidth_gbps: float = 25.0
 
@@ -94,7 +94,7 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     cpu_kv_cache_gb: float = 0.0
-    eviction_policy: str = "lru"
+    eviction_policy: str = "reuse"
     preemption_mode: str = "auto"
     kv_copy_bandwidth_gbps: float = 25.0
     kv_rotation_interval: int = 0

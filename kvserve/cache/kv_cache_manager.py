@@ -96,7 +96,7 @@ class KVCacheManager:
 
     def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True, extra_keys: tuple = (),
-                 eviction_policy: str = "lru", host_tier: HostTier | None = None) -> None:
+                 eviction_policy: str = "reuse", host_tier: HostTier | None = None) -> None:
         if not groups:
             raise ValueError("KVCacheManager needs at least one KV cache group")
         if block_size < 1:
