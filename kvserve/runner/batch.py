@@ -110,8 +110,8 @@ def _mover(device: torch.device):
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the stream. On CUDA a
     plain `.to(device)` (or `torch.tensor(..., device=...)`) synchronises the
-    host with the stream, i.e. with the step in flight, which would stall the
-    one-deep pipeline; pinned + non-blocking does not."""
+    host with the stream, i.e. makes it wait for the step in flight; pinned +
+    non-blocking does not."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
