@@ -30,8 +30,8 @@ def patch_decode_config() -> None:
 def copy_speed() -> None:
     from kvserve.cache.host_tier import BlockCopy, CopyBatch
     from kvserve.runner.kv_transfer import KVTransfer
-    caches = [torch.randn(2, 4097, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(36)]
-    transfer = KVTransfer(caches, 1024, torch.device("cuda"))
+    storage = torch.zeros(36, 2, 4097, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    transfer = KVTransfer(storage, 1024, torch.device("cuda"))
 
     def timed(copies, label):
         run = lambda: transfer.run(CopyBatch(copies))  # noqa: E731

@@ -51,9 +51,9 @@ def test_parent_waits_for_its_children():
 
 def test_kv_transfer_round_trip_on_cpu(monkeypatch):
     monkeypatch.setattr(kv_transfer, "HOST_CHUNK_BYTES", 3 * 2 * 2 * 4 * 2 * 8 * 4)  # 3 blocks a chunk
-    caches = [torch.randn(2, 10, 4, 2, 8) for _ in range(2)]
-    original = [c.clone() for c in caches]
-    transfer = KVTransfer(caches, num_host_blocks=7, device=torch.device("cpu"))
+    storage = torch.randn(2, 2, 10, 4, 2, 8)  # [slots, K/V, blocks, block_size, heads, dim]
+    caches, original = storage.unbind(0), [c.clone() for c in storage.unbind(0)]
+    transfer = KVTransfer(storage, num_host_blocks=7, device=torch.device("cpu"))
     assert [c.shape[0] for c in transfer.chunks] == [3, 3, 1]
     saves = [BlockCopy(True, gpu, slot) for gpu, slot in [(1, 0), (2, 1), (3, 2), (4, 3), (5, 6), (1, 4)]]
     # Half as background write-backs, half urgent: both land.
@@ -66,9 +66,17 @@ def test_kv_transfer_round_trip_on_cpu(monkeypatch):
     for cache, before in zip(caches, original):
         for gpu, src in [(9, 1), (8, 2), (7, 3), (6, 4), (5, 5), (4, 1)]:
             assert torch.equal(cache[:, gpu], before[:, src])
+    # A prefetch lands at the next forward (`wait_prefetched`), not before.
+    for cache in caches:
+        cache[:, 3].zero_()
+    transfer.run(CopyBatch(copies=[BlockCopy(False, 3, 0)], index=2), prefetch=True)
+    assert not any(cache[:, 3].any() for cache in caches)
+    transfer.wait_prefetched()
+    assert all(torch.equal(cache[:, 3], before[:, 1]) for cache, before in zip(caches, original))
     metrics = transfer.metrics()
-    assert metrics["kv_host_blocks_to_host"] == 6 and metrics["kv_host_blocks_to_gpu"] == 6
-    assert metrics["kv_host_bytes_to_gpu"] == 6 * transfer.block_bytes
+    assert metrics["kv_host_blocks_to_host"] == 6 and metrics["kv_host_blocks_to_gpu"] == 7
+    assert metrics["kv_host_blocks_prefetched"] == 1
+    assert metrics["kv_host_bytes_to_gpu"] == 7 * transfer.block_bytes
 
 
 def test_simulated_multi_turn_hit_rate_reuse_beats_lru():

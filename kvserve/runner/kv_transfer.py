@@ -58,18 +58,23 @@ class TransferStats:
 
 
 class KVTransfer:
-    """Moves blocks between the GPU KV tensors and `num_host_blocks` host slots."""
+    """Moves blocks between the GPU KV storage, [group_size, 2, num_blocks,
+    block_size, kv_heads, head_dim] (runner/model_runner.py), and
+    `num_host_blocks` host slots; a batch is one gather or scatter on the GPU."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], num_host_blocks: int,
+    def __init__(self, kv_storage: torch.Tensor, num_host_blocks: int,
                  device: torch.device) -> None:
-        self.kv_caches = kv_caches
-        first = kv_caches[0]
+        if kv_storage.dim() != 6 or kv_storage.shape[1] != 2:
+            raise ValueError(f"KV storage must be [group_size, 2, num_blocks, block_size, kv_heads, "
+                             f"head_dim], got {tuple(kv_storage.shape)}")
+        self.kv_storage = kv_storage
         self.device = device
-        self.block_shape = (len(kv_caches), 2, *first.shape[2:])
-        self.block_bytes = first[:, 0].numel() * first.element_size() * len(kv_caches)
+        group_size, _, _, *rest = kv_storage.shape
+        self.block_shape = (group_size, 2, *rest)
+        self.block_bytes = kv_storage[:, :, 0].numel() * kv_storage.element_size()
         self.blocks_per_chunk = max(1, HOST_CHUNK_BYTES // self.block_bytes)
         on_cuda = device.type == "cuda"
-        self.chunks = [torch.empty((n, *self.block_shape), dtype=first.dtype, pin_memory=on_cuda)
+        self.chunks = [torch.empty((n, *self.block_shape), dtype=kv_storage.dtype, pin_memory=on_cuda)
                        for n in _chunk_sizes(num_host_blocks, self.blocks_per_chunk)]
         self.num_host_blocks = num_host_blocks
         self.stream = torch.cuda.Stream(device) if on_cuda else None
@@ -192,19 +197,18 @@ class KVTransfer:
 
     def _to_host(self, gpu_ids: list[int], slots: list[int]) -> None:
         index = self._index(gpu_ids)
-        staged = torch.stack([kv.index_select(1, index) for kv in self.kv_caches])
+        staged = self.kv_storage.index_select(2, index)            # [G, 2, n, bs, H, D]
         staged = staged.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, G, 2, bs, H, D]
         for pos, chunk, row, length in self._runs(slots):
             chunk[row:row + length].copy_(staged[pos:pos + length], non_blocking=True)
 
     def _to_gpu(self, gpu_ids: list[int], slots: list[int]) -> None:
-        staged = torch.empty((len(slots), *self.block_shape), dtype=self.chunks[0].dtype,
+        staged = torch.empty((len(slots), *self.block_shape), dtype=self.kv_storage.dtype,
                              device=self.device)
         for pos, chunk, row, length in self._runs(slots):
             staged[pos:pos + length].copy_(chunk[row:row + length], non_blocking=True)
         index = self._index(gpu_ids)
-        for j, kv in enumerate(self.kv_caches):
-            kv.index_copy_(1, index, staged[:, j].transpose(0, 1))
+        self.kv_storage.index_copy_(2, index, staged.permute(1, 2, 0, 3, 4, 5))
 
     def _runs(self, slots: list[int]) -> Iterator[tuple[int, torch.Tensor, int, int]]:
         """(position in batch, chunk, first row, length) of consecutive-slot runs."""

@@ -1,9 +1,9 @@
 """The model runner: owns the model, the KV cache tensors and the sampler,
 and turns one `SchedulerOutput` into sampled tokens.
 
-KV memory layout: the cache has `group_size` tensors of shape
-[2, num_blocks, block_size, num_kv_heads, head_dim]; layer j of every KV group
-uses tensor j. One block id therefore means "these slots in group g's layers",
+KV memory layout: the cache is one tensor [group_size, 2, num_blocks,
+block_size, num_kv_heads, head_dim], seen as `group_size` contiguous views
+(`kv_caches`); layer j of every KV group uses view j. One block id therefore means "these slots in group g's layers",
 and blocks move freely between groups (see `cache/kv_cache_manager.py`).
 
 With a host tier, `kv_transfer` executes the block copies a step carries
@@ -59,16 +59,20 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         self.sampler = Sampler(seed, device)
-        self.kv_caches = [torch.zeros(2, layout.num_blocks, layout.block_size, layout.num_kv_heads,
-                                      layout.head_dim, dtype=layout.dtype, device=device)
-                          for _ in range(layout.group_size)]
+        # One storage tensor, one contiguous view per layer slot: a block's KV in
+        # every slot is one index along dim 2, so host-tier copies move it with one
+        # gather / scatter kernel instead of one per slot.
+        self.kv_storage = torch.zeros(layout.group_size, 2, layout.num_blocks, layout.block_size,
+                                      layout.num_kv_heads, layout.head_dim, dtype=layout.dtype,
+                                      device=device)
+        self.kv_caches = list(self.kv_storage.unbind(0))
         model.bind_kv_caches([self.kv_caches[slot] for slot in layout.layer_to_slot])
         self.graphs: DecodeGraphs | None = None
         self.kv_transfer: KVTransfer | None = None
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
-        self.kv_transfer = KVTransfer(self.kv_caches, num_host_blocks, self.device)
+        self.kv_transfer = KVTransfer(self.kv_storage, num_host_blocks, self.device)
         return self.kv_transfer
 
     @torch.inference_mode()
