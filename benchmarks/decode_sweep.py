@@ -3,6 +3,7 @@
 
   python3 benchmarks/decode_sweep.py [--page 16] [--batches 8 24 48] [--contexts 1024 2048 3712 8192]
   python3 benchmarks/decode_sweep.py --table 64/3/4/4 32/4/2/8 ...   # block_n/stages/warps/waves
+  python3 benchmarks/decode_sweep.py --table 32/4/2/4/3 32/4/2/4/5 ... # .../splits: a fixed split count
 
 Prints, per (batch, context), the default config's % of copy bandwidth and the best five
 (or, with --table, every listed config's %).
@@ -31,9 +32,11 @@ def main() -> None:
     a = p.parse_args()
     torch.manual_seed(0)
     copy = copy_bandwidth_gbs()
-    grid = ([map(int, t.split("/")) for t in a.table] if a.table else
+    grid = ([[int(x) for x in t.split("/")] for t in a.table] if a.table else
             itertools.product(a.block_n, a.stages, a.warps, a.waves))
-    configs = [DecodeConfig.uniform(n, w, s, waves=v) for n, s, w, v in grid]
+    # block_n/stages/warps/waves, optionally /splits (a fixed split count instead of the plan)
+    configs = [DecodeConfig.uniform(n, w, s, waves=v, num_splits=rest[0] if rest else None)
+               for n, s, w, v, *rest in grid]
     if a.table:
         print("batch   ctx  " + "  ".join(f"{t:>11}" for t in a.table))
     print(f"copy {copy:.0f} GB/s, page {a.page}, {len(configs)} configs")
