@@ -8,7 +8,7 @@ every step it checks the KV contents against `kv_walk.py`'s model.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -16,8 +16,7 @@ from kvserve.cache.groups import make_kv_cache_groups
 from kvserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
-from kv_walk import SlotContents, write_and_read
+from kv_walk import WalkState, write_and_read
 
 FULL = FullAttentionSpec()
 SPEC_SETS = {
@@ -30,29 +29,8 @@ STEPS = 250
 
 
 @dataclass
-class Walk:
-    manager: KVCacheManager
-    rng: random.Random
-    prefixes: list[list[int]]
-    running: dict[str, Request] = field(default_factory=dict)
-    waiting: list[Request] = field(default_factory=list)
-    finished_prompts: list[list[int]] = field(default_factory=list)
-    kv: SlotContents = field(default_factory=dict)
-    next_id: int = 0
+class Walk(WalkState):
     num_hits: int = 0
-
-    @property
-    def block_size(self) -> int:
-        return self.manager.block_size
-
-    def new_request(self, prompt: list[int]) -> Request:
-        self.next_id += 1
-        return Request(f"r{self.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
-
-    def random_prompt(self) -> list[int]:
-        prefix = self.rng.choice(self.prefixes)
-        cut = self.rng.randint(1, len(prefix))
-        return prefix[:cut] + [self.rng.randrange(50) for _ in range(self.rng.randint(0, 12))]
 
 
 def snapshot(manager: KVCacheManager, request_ids) -> tuple:
@@ -132,18 +110,17 @@ def finish(walk: Walk, abort: bool) -> None:
     del walk.running[request.request_id]
     if not abort:
         # Multi-turn: the next turn re-sends the whole history.
-        walk.finished_prompts.append(request.all_token_ids)
+        walk.history.append(request.all_token_ids)
 
 
 def random_step(walk: Walk) -> None:
     rng = walk.rng
     op = rng.choices(["admit", "readmit", "resume", "step", "finish", "abort"],
                      weights=[3, 2, 1, 10, 2, 1])[0]
-    if op == "admit" or (op == "readmit" and not walk.finished_prompts):
-        admit(walk, walk.new_request(walk.random_prompt()))
+    if op == "admit" or (op == "readmit" and not walk.history):
+        admit(walk, walk.new_request(walk.random_prompt(max_extra=12)))
     elif op == "readmit":
-        history = rng.choice(walk.finished_prompts)[:MAX_TOKENS - 12]
-        admit(walk, walk.new_request(history + [rng.randrange(50) for _ in range(rng.randint(1, 8))]))
+        admit(walk, walk.new_request(walk.next_turn_prompt(room=12)))
     elif op == "resume" and walk.waiting:
         admit(walk, walk.waiting.pop(0))
     elif op == "step" and walk.running:
@@ -156,13 +133,14 @@ def random_step(walk: Walk) -> None:
             del walk.running[request.request_id]
 
 
-def run_walk(block_size: int, spec_set: str, caching: bool, seed: int) -> Walk:
+def run_walk(block_size: int, spec_set: str, caching: bool, seed: int, policy: str = "reuse") -> Walk:
     groups = make_kv_cache_groups(SPEC_SETS[spec_set])
     num_blocks = len(groups) * 200 // block_size + 8
-    manager = KVCacheManager(groups, num_blocks, block_size, enable_prefix_caching=caching)
+    manager = KVCacheManager(groups, num_blocks, block_size, enable_prefix_caching=caching,
+                             eviction_policy=policy)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50) for _ in range(60)] for _ in range(3)]
-    walk = Walk(manager, rng, prefixes)
+    walk = Walk(manager, rng, prefixes, max_tokens=MAX_TOKENS, vocab=50)
     for _ in range(STEPS):
         random_step(walk)
         manager.check_integrity()
@@ -174,11 +152,11 @@ def run_walk(block_size: int, spec_set: str, caching: bool, seed: int) -> Walk:
     return walk
 
 
-@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("caching, policy", [(True, "reuse"), (True, "lru"), (False, "reuse")])
 @pytest.mark.parametrize("spec_set", sorted(SPEC_SETS))
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_random_walk(block_size: int, spec_set: str, caching: bool) -> None:
-    walk = run_walk(block_size, spec_set, caching, seed=block_size * 1000 + len(spec_set))
+def test_random_walk(block_size: int, spec_set: str, caching: bool, policy: str) -> None:
+    walk = run_walk(block_size, spec_set, caching, seed=block_size * 1000 + len(spec_set), policy=policy)
     if caching:
         assert walk.num_hits > 0 and walk.manager.prefix_cache_hits > 0
     else:

@@ -26,8 +26,7 @@ from kvserve.cache.host_tier import BlockCopy, HostTier
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
-from kv_walk import SlotContents, write_and_read
+from kv_walk import WalkState, write_and_read
 
 FULL = FullAttentionSpec()
 SPEC_SETS = {"full": [FULL, FULL], "hybrid": [FULL, SlidingWindowSpec(10), FULL, SlidingWindowSpec(17, sink=3)]}
@@ -36,26 +35,14 @@ STEPS = 1200
 
 
 @dataclass
-class TierWalk:
-    manager: KVCacheManager
-    rng: random.Random
-    prefixes: list[list[int]]
-    running: dict[str, Request] = field(default_factory=dict)
-    waiting: list[Request] = field(default_factory=list)
-    history: list[list[int]] = field(default_factory=list)
-    gpu_kv: SlotContents = field(default_factory=dict)
+class TierWalk(WalkState):
     host_kv: dict[tuple[int, int], tuple[int, ...] | None] = field(default_factory=dict)
     in_flight: list[tuple[int, BlockCopy]] = field(default_factory=list)  # (batch, write-back)
     prefetch: list[BlockCopy] = field(default_factory=list)  # a held load-ahead batch
     loading: set[str] = field(default_factory=set)  # requests admitted by it
     grace: bool = False  # the step it was issued in has not computed yet
-    next_id: int = 0
     stranded: int = 0
     deferred: int = 0
-
-    @property
-    def bs(self) -> int:
-        return self.manager.block_size
 
 
 def run_copies(walk: TierWalk) -> None:
@@ -93,16 +80,16 @@ def land_all(walk: TierWalk) -> None:
 
 
 def execute_copy(walk: TierWalk, copy: BlockCopy) -> None:
-    for offset in range(walk.bs):
+    for offset in range(walk.block_size):
         gpu, host = (copy.gpu_block, offset), (copy.host_slot, offset)
         if copy.to_host:
-            walk.host_kv[host] = walk.gpu_kv.get(gpu)
+            walk.host_kv[host] = walk.kv.get(gpu)
         else:
             value = walk.host_kv.get(host)
             if value is None:
-                walk.gpu_kv.pop(gpu, None)
+                walk.kv.pop(gpu, None)
             else:
-                walk.gpu_kv[gpu] = value
+                walk.kv[gpu] = value
 
 
 def compute(walk: TierWalk, request: Request, num_new: int) -> None:
@@ -111,7 +98,7 @@ def compute(walk: TierWalk, request: Request, num_new: int) -> None:
         land_prefetch(walk)
     walk.grace = False
     start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-    write_and_read(walk.manager, walk.gpu_kv, request, start, end)
+    write_and_read(walk.manager, walk.kv, request, start, end)
     request.num_computed_tokens = end
     if end == request.num_tokens:
         request.output_token_ids.append(walk.rng.randrange(40))
@@ -188,23 +175,14 @@ def random_op(walk: TierWalk) -> None:
     if op != "step":
         walk.grace = False  # only the admitting step's own forward may skip the prefetch
     if op == "new" or (op == "turn" and not walk.history):
-        prefix = rng.choice(walk.prefixes)
-        walk.next_id += 1
-        prompt = prefix[:rng.randint(1, len(prefix))] + [rng.randrange(40) for _ in range(rng.randint(0, 9))]
-        admit(walk, Request(f"r{walk.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+        admit(walk, walk.new_request(walk.random_prompt(max_extra=9)))
     elif op == "turn":
-        walk.next_id += 1
-        prompt = rng.choice(walk.history)[:MAX_TOKENS - 10] + [rng.randrange(40) for _ in range(rng.randint(1, 8))]
-        admit(walk, Request(f"r{walk.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+        admit(walk, walk.new_request(walk.next_turn_prompt(room=10)))
     elif op == "resume" and walk.waiting:
         admit(walk, walk.waiting.pop(0))
     elif op == "defer" and (walk.waiting or walk.history):
-        if walk.waiting:
-            defer_admit(walk, walk.waiting.pop(0))
-        else:
-            walk.next_id += 1
-            prompt = rng.choice(walk.history)[:MAX_TOKENS - 10] + [rng.randrange(40) for _ in range(rng.randint(1, 8))]
-            defer_admit(walk, Request(f"r{walk.next_id}", prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+        request = walk.waiting.pop(0) if walk.waiting else walk.new_request(walk.next_turn_prompt(room=10))
+        defer_admit(walk, request)
     elif op == "step" and walk.running:
         step(walk)
     elif op == "preempt" and walk.running:
@@ -233,7 +211,8 @@ def run_walk(spec_set: str, policy: str, block_size: int, host_blocks: int, seed
     manager = KVCacheManager(groups, num_blocks, block_size, eviction_policy=policy,
                              host_tier=HostTier(host_blocks, 1))
     rng = random.Random(seed)
-    walk = TierWalk(manager, rng, [[rng.randrange(40) for _ in range(50)] for _ in range(3)])
+    walk = TierWalk(manager, rng, [[rng.randrange(40) for _ in range(50)] for _ in range(3)],
+                    max_tokens=MAX_TOKENS, vocab=40)
     watch_evictions(walk)
     for _ in range(STEPS):
         random_op(walk)
