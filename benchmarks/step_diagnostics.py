@@ -77,12 +77,9 @@ def step_profile(what: str) -> None:
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
-    warm = 3
     if what == "decode24prof":  # profile steady decode only: run until every prefill is done
-        warm = 0
         while not all(r.num_output_tokens >= 2 for r in engine.requests.values()):
             engine.step()
-            warm += 1
     for _ in range(3 if what != "decode24prof" else 2):
         engine.step()
     torch.cuda.synchronize()

@@ -70,7 +70,8 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_ids: list[list[list[
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
                     device: torch.device) -> ModelInputs:
-    to = _mover(device)
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return upload(t, device)
     seq_idx, positions = to(host.seq_idx), to(host.positions)
     tables = [to(t) for t in host.block_tables]
     slots = [slot_mapping(t, seq_idx, positions, block_size) for t in tables]
@@ -101,10 +102,6 @@ def pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tenso
         flat.extend(t)
         flat.extend([0] * (width - len(t)))
     return torch.tensor(flat, dtype=torch.int32).view(len(tables), width)
-
-
-def _mover(device: torch.device):
-    return lambda t: upload(t, device)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
