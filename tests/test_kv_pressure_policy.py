@@ -79,6 +79,30 @@ def test_kv_transfer_round_trip_on_cpu(monkeypatch):
     assert metrics["kv_host_bytes_to_gpu"] == 7 * transfer.block_bytes
 
 
+def test_kv_transfer_moves_descending_slots_as_one_run(monkeypatch):
+    # Eviction writes a prefix back tail first, into ascending slots: loading it
+    # back in prefix order reads descending slots, which must still be one copy.
+    storage = torch.randn(2, 2, 12, 4, 2, 8)
+    original = storage.clone()
+    transfer = KVTransfer(storage, num_host_blocks=8, device=torch.device("cpu"))
+    runs = []
+    real_runs = KVTransfer._runs
+
+    def recorded(self, slots):
+        for run in real_runs(self, slots):
+            runs.append(run[3])
+            yield run
+    monkeypatch.setattr(KVTransfer, "_runs", recorded)
+    tail_first = [4, 3, 2, 1]
+    transfer.run(CopyBatch(copies=[BlockCopy(True, gpu, slot) for slot, gpu in enumerate(tail_first)]))
+    storage.zero_()
+    prefix_order = [BlockCopy(False, 10 - gpu, 3 - i) for i, gpu in enumerate(reversed(tail_first))]
+    transfer.run(CopyBatch(copies=prefix_order, index=1))
+    assert runs == [4, 4]
+    for gpu in (1, 2, 3, 4):
+        assert torch.equal(storage[:, :, 10 - gpu], original[:, :, gpu])
+
+
 def test_simulated_multi_turn_hit_rate_reuse_beats_lru():
     work = Workload(max_running=8)
     assert simulate("reuse", 768, work) > simulate("lru", 768, work) + 0.3

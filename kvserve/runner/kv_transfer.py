@@ -181,6 +181,11 @@ class KVTransfer:
 
     def _run_batches(self, copies: Sequence[BlockCopy]) -> None:
         for to_host, batch in _batches(copies):
+            # A batch has no order among its copies, so take it in host-slot
+            # order: slots are handed out as blocks are evicted, tail first, so a
+            # prefix loads from descending slots and would otherwise cost one
+            # host<->device copy per block (~20 us of host time each).
+            batch = sorted(batch, key=lambda c: c.host_slot)
             gpu_ids = [c.gpu_block for c in batch]
             slots = [c.host_slot for c in batch]
             if to_host:
