@@ -44,7 +44,8 @@ def make_engine(args):
     llm = LLM(args.model, max_model_len=8192, gpu_memory_utilization=0.85,
               max_num_batched_tokens=16384, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
               eviction_policy=args.eviction_policy, preemption_mode=args.preemption_mode,
-              kv_rotation_interval=args.kv_rotation_interval, **kw)
+              kv_rotation_interval=args.kv_rotation_interval,
+              scheduling_policy=args.scheduling_policy, **kw)
     return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
@@ -183,6 +184,7 @@ def main():
                     help="kvserve only: another model (e.g. a tiny checkpoint dir to simulate the schedule on CPU)")
     ap.add_argument("--preemption-mode", default="auto")
     ap.add_argument("--kv-rotation-interval", type=int, default=0, help="kvserve only (scheduler.py)")
+    ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "prefix"], help="kvserve only (scheduler.py)")
     ap.add_argument("--stats", action="store_true", help="kvserve only: print engine counters after each run")
     ap.add_argument("--step-profile", action="store_true",
                     help="kvserve only: per batch, step count and host time by step kind")

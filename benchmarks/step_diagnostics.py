@@ -6,6 +6,7 @@
   python3 benchmarks/step_diagnostics.py batch1    # the same at batch 1 (128-token prompt)
   python3 benchmarks/step_diagnostics.py decode24prof  # batch24's profile, decode steps only
   python3 benchmarks/step_diagnostics.py decode24  # steady decode ms/step, 24 x ~3.7K context (wall clock)
+  python3 benchmarks/step_diagnostics.py ide112prof  # decode profile, 112 x ~900 tokens, 16 per shared 700-token prefix
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
@@ -68,19 +69,23 @@ def pcie() -> None:
 def step_profile(what: str) -> None:
     from torch.profiler import ProfilerActivity, profile
     from kvserve import LLM, SamplingParams
-    n, plen, out = (24, 3600, 48) if what in ("batch24", "decode24prof") else (1, 128, 48)
+    n, plen, out = {"batch24": (24, 3600, 48), "decode24prof": (24, 3600, 48),
+                    "ide112prof": (112, 890, 48)}.get(what, (1, 128, 48))
     llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384)
     prompts = [[100 + (i * 7 + j) % 5000 for j in range(plen)] for i in range(n)]
+    if what == "ide112prof":  # the IDE workload's shape: 16 requests per 700-token file prefix
+        prompts = [[100 + (i // 16 * 7 + j) % 5000 for j in range(700)] + [5100 + i * 190 + j for j in range(190)]
+                   for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.reset_prefix_cache()
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
-    if what == "decode24prof":  # profile steady decode only: run until every prefill is done
+    if what in ("decode24prof", "ide112prof"):  # profile steady decode only: run until every prefill is done
         while not all(r.num_output_tokens >= 2 for r in engine.requests.values()):
             engine.step()
-    for _ in range(3 if what != "decode24prof" else 2):
+    for _ in range(2 if what in ("decode24prof", "ide112prof") else 3):
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

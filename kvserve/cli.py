@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     p.add_argument("--kv-rotation-interval", type=int, default=0,
                    help="at the tail of a burst, rotate KV-blocked requests in every N steps (0: off)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "prefix"],
+                   help="admission order (prefix: requests sharing a running request's prefix may go first)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -39,7 +41,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_memory_gb=a.kv_cache_memory_gb, gpu_memory_utilization=a.gpu_memory_utilization,
                 enforce_eager=a.enforce_eager, seed=a.seed, cpu_kv_cache_gb=a.cpu_kv_cache_gb,
                 eviction_policy=a.eviction_policy, preemption_mode=a.preemption_mode,
-                kv_rotation_interval=a.kv_rotation_interval)
+                kv_rotation_interval=a.kv_rotation_interval,
+                scheduling_policy=a.scheduling_policy)
 
 
 def _sampling(a: argparse.Namespace):

@@ -12,6 +12,7 @@ from typing import Any
 MAX_BLOCK_SIZE = 256
 EVICTION_POLICIES = ("lru", "reuse")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+SCHEDULING_POLICIES = ("fcfs", "prefix")
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,15 @@ class SchedulerConfig:
     # steps the running request furthest ahead is preempted to let it in
     # (time-slicing the KV cache; see scheduler.py). 0 turns it off.
     kv_rotation_interval: int = 0
+    # "fcfs": admit strictly in arrival order. "prefix": a waiting request whose
+    # prompt starts with a block a running request holds may go first (its
+    # prefix costs no new blocks); see scheduler.py.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.kv_rotation_interval < 0:
             raise ValueError(f"kv_rotation_interval must be >= 0, got {self.kv_rotation_interval}")
         if self.max_num_batched_tokens < 1:
@@ -98,6 +106,7 @@ class EngineArgs:
     preemption_mode: str = "auto"
     kv_copy_bandwidth_gbps: float = 25.0
     kv_rotation_interval: int = 0
+    scheduling_policy: str = "fcfs"
     # Who drives the engine: "llm" (offline batches) or "server"; picks the
     # default token budget, as vLLM's usage context does.
     usage: str = "llm"
@@ -131,7 +140,8 @@ class EngineArgs:
             self.usage, device_memory_bytes, device_name)
         return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
                                max_model_len=max_model_len,
-                               kv_rotation_interval=self.kv_rotation_interval)
+                               kv_rotation_interval=self.kv_rotation_interval,
+                               scheduling_policy=self.scheduling_policy)
 
 
 USAGES = ("llm", "server")

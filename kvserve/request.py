@@ -51,6 +51,8 @@ class Request:
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Times a later request was admitted before it (scheduling_policy="prefix").
+    num_overtaken: int = 0
     # Chained hashes of the full blocks of all_token_ids; owned and extended by
     # the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)

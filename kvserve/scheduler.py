@@ -44,6 +44,9 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import PREEMPTION_MODES, SchedulerConfig
 from kvserve.request import Request, RequestStatus
 
+# How far past the head the "prefix" policy looks for a request sharing a held prefix.
+PREFIX_WINDOW = 128
+
 
 @dataclass
 class ScheduledRequest:
@@ -234,7 +237,7 @@ class Scheduler:
         load-ahead admissions (module doc)."""
         blocked = deferring = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting()
             if (self._blocked_head is not None and self._blocked_head[0] is request
                     and self.kv_cache.num_free_blocks <= self._blocked_head[1]):
                 blocked = True
@@ -244,11 +247,13 @@ class Scheduler:
             if not deferring and out.scheduled and computed.num_host_blocks:
                 out.kv_copies = self.kv_cache.take_pending_copies()  # what this forward waits for
                 deferring = True
+            # "prefix": leave a block per running request free (module doc).
+            reserve = len(self.running) if self.config.scheduling_policy == "prefix" else 0
             if deferring:  # room for the whole admission, but only the hit is taken now
-                admitted = (self.kv_cache.can_allocate(request, num_new, computed)
+                admitted = (self.kv_cache.can_allocate(request, num_new, computed, reserve)
                             and self.kv_cache.allocate_slots(request, 0, computed))
             else:
-                admitted = self.kv_cache.allocate_slots(request, num_new, computed)
+                admitted = self.kv_cache.allocate_slots(request, num_new, computed, reserve)
             if not admitted:
                 blocked = True
                 self._blocked_head = (request, self.kv_cache.num_free_blocks)
@@ -264,6 +269,23 @@ class Scheduler:
             budget -= num_new
         self._kv_blocked_steps = self._kv_blocked_steps + 1 if blocked else 0
         return deferring
+
+    def _next_waiting(self) -> Request:
+        """The request to admit next: the head, or under the "prefix" policy the
+        first fresh request within `PREFIX_WINDOW` whose prompt starts with a
+        block a running request holds, moved to the front (module doc)."""
+        head = self.waiting[0]
+        if (self.config.scheduling_policy != "prefix" or head.num_overtaken >= self.config.max_num_seqs
+                or self.kv_cache.shares_held_prefix(head)):
+            return head
+        for i in range(1, min(len(self.waiting), PREFIX_WINDOW)):
+            request = self.waiting[i]
+            if request.num_preemptions == 0 and self.kv_cache.shares_held_prefix(request):
+                head.num_overtaken += 1
+                del self.waiting[i]
+                self.waiting.appendleft(request)
+                return request
+        return head
 
     def _admit(self, request: Request, num_hit: int) -> None:
         request.num_computed_tokens = num_hit

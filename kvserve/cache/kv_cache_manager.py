@@ -47,7 +47,7 @@ from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
 from kvserve.cache.hashing import extend_block_hashes
 from kvserve.cache.host_tier import CopyBatch, HostBlockRef, HostTier
-from kvserve.cache.managers import HitBlock, SingleTypeManager, make_manager
+from kvserve.cache.managers import HitBlock, SingleTypeManager, block_content, make_manager
 
 if TYPE_CHECKING:
     from kvserve.request import Request
@@ -191,6 +191,19 @@ class KVCacheManager:
         return (ComputedBlocks(blocks, swapped.num_tokens, self._epoch(), is_swap_in=True),
                 swapped.num_tokens)
 
+    def shares_held_prefix(self, request: Request) -> bool:
+        """Whether the request's first full block is cached on the GPU and held by
+        a running request, so its shared prefix costs no new blocks (the
+        scheduler's "prefix" policy). One hash-map lookup, no tier walk."""
+        if not self.enable_prefix_caching or request.num_tokens <= self.block_size:
+            return False
+        if not request.block_hashes:
+            extend_block_hashes(request, self.block_size, self.extra_keys)
+        manager = self.managers[0]
+        content = block_content(request.block_hashes, request.prompt_token_ids, 0, self.block_size)
+        block = self.pool.get_cached_block(manager.group_id, request.block_hashes[0], content)
+        return block is not None and block.ref_cnt > 0
+
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int,
                              computed: ComputedBlocks | None = None) -> None:
         """Count one admitted lookup: queries and hits (host hits too), in tokens.
@@ -229,7 +242,7 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: ComputedBlocks | None = None) -> bool:
+                       computed: ComputedBlocks | None = None, reserve: int = 0) -> bool:
         """Cover tokens [0, num_computed_tokens + hit + num_new_tokens) in every group.
 
         Tokens [0, num_computed_tokens + hit) count as computed; the first query
@@ -247,7 +260,7 @@ class KVCacheManager:
         total = first_query_pos + num_new_tokens
         if hit is None and self._fits_in_held_blocks(request, total):
             return True  # the common decode step: nothing to allocate, free or cache
-        if not self._can_allocate(request.request_id, hit, first_query_pos, total):
+        if not self._can_allocate(request.request_id, hit, first_query_pos, total, reserve):
             return False
         self._apply_allocation(request.request_id, hit, first_query_pos, total)
         if hit is not None and hit.is_swap_in:
@@ -258,14 +271,14 @@ class KVCacheManager:
         return True
 
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     computed: ComputedBlocks | None = None) -> bool:
+                     computed: ComputedBlocks | None = None, reserve: int = 0) -> bool:
         """Whether `allocate_slots` with these arguments would succeed; changes nothing."""
         hit = computed if computed is not None and computed.num_tokens > 0 else None
         if hit is not None:
             self._check_hit_usable(request, hit)
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         return self._can_allocate(request.request_id, hit, first_query_pos,
-                                  first_query_pos + num_new_tokens)
+                                  first_query_pos + num_new_tokens, reserve)
 
     def _fits_in_held_blocks(self, request: Request, total: int) -> bool:
         """True when every group already covers `total` tokens, no sliding group
@@ -283,7 +296,7 @@ class KVCacheManager:
         return True
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
-                      first_query_pos: int, total: int) -> bool:
+                      first_query_pos: int, total: int, reserve: int = 0) -> bool:
         needed = 0
         for group_id, manager in enumerate(self.managers):
             hit_blocks = hit.blocks[group_id] if hit else []
@@ -293,7 +306,7 @@ class KVCacheManager:
             needed += sum(1 for b in hit_blocks
                           if b.on_host or (not b.is_null and b.ref_cnt == 0))
             needed -= manager.num_reclaimed(request_id, first_query_pos)
-        return needed <= self.pool.num_free_blocks
+        return needed + reserve <= self.pool.num_free_blocks
 
     def _apply_allocation(self, request_id: str, hit: ComputedBlocks | None,
                           first_query_pos: int, total: int) -> None:
