@@ -32,6 +32,16 @@ most output tokens is preempted (swap or recompute, as above) and rejoins at
 the back of the queue, so the head gets in; the batch stays full and all
 requests finish close together. A victim must be ahead of the head by more
 than one interval, so two requests never trade places back and forth.
+
+Shared-prefix admission (`scheduling_policy="prefix"`, SGLang's longest-prefix
+idea at the cost of one hash lookup per candidate): when the head's first
+block is not held by a running request, the first fresh (never preempted)
+request within `PREFIX_WINDOW` whose first block is held goes first: its
+shared prefix costs no new blocks, so the batch holds more requests. The head
+can be overtaken at most `max_num_seqs` times, then it is admitted in order.
+Denser batches grow into each other, so under this policy an admission must
+also leave one free block per running request (each may cross a block
+boundary before the next admission).
 """
 from __future__ import annotations
 
@@ -122,6 +132,7 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self.num_rotations = 0
         self.num_load_ahead = 0
+        self.num_prefix_overtakes = 0  # admissions ahead of the head ("prefix" policy)
         # Consecutive steps the queue's head waited for KV space (not budget).
         self._kv_blocked_steps = 0
         # (head, free blocks) when the head last failed for KV space: until blocks are
@@ -282,6 +293,7 @@ class Scheduler:
             request = self.waiting[i]
             if request.num_preemptions == 0 and self.kv_cache.shares_held_prefix(request):
                 head.num_overtaken += 1
+                self.num_prefix_overtakes += 1
                 del self.waiting[i]
                 self.waiting.appendleft(request)
                 return request
