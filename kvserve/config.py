@@ -61,9 +61,9 @@ class SchedulerConfig:
     # steps the running request furthest ahead is preempted to let it in
     # (time-slicing the KV cache; see scheduler.py). 0 turns it off.
     kv_rotation_interval: int = 0
-    # "fcfs": admit strictly in arrival order. "prefix": a waiting request whose
-    # prompt starts with a block a running request holds may go first (its
-    # prefix costs no new blocks); see scheduler.py.
+    # "fcfs": admit strictly in arrival order. "prefix": a waiting request that
+    # shares its first block with a running, prefilled request may go first
+    # (its prefix costs no new blocks); see scheduler.py.
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:

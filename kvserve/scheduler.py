@@ -34,10 +34,13 @@ requests finish close together. A victim must be ahead of the head by more
 than one interval, so two requests never trade places back and forth.
 
 Shared-prefix admission (`scheduling_policy="prefix"`, SGLang's longest-prefix
-idea at the cost of one hash lookup per candidate): when the head's first
-block is not held by a running request, the first fresh (never preempted)
-request within `PREFIX_WINDOW` whose first block is held goes first: its
-shared prefix costs no new blocks, so the batch holds more requests. The head
+idea at the cost of one hash comparison per candidate): when the head does
+not share its first block with a running request whose prompt is computed,
+the first fresh (never preempted) request within `PREFIX_WINDOW` that does
+goes first: its shared prefix is a hit on blocks already held, so it costs
+no new blocks or compute and the batch holds more requests. (A holder still
+in its chunked prefill has cached only its first chunks: a request let in
+then would recompute the rest.) The head
 can be overtaken at most `max_num_seqs` times, then it is admitted in order.
 Denser batches grow into each other, so under this policy an admission must
 also leave one free block per running request (each may cross a block
@@ -138,6 +141,9 @@ class Scheduler:
         # (head, free blocks) when the head last failed for KV space: until blocks are
         # freed it still cannot fit, and its prefix lookup (a walk over both tiers) is skipped.
         self._blocked_head: tuple[Request, int] | None = None
+        # First-block hashes of running requests past their prompt ("prefix"
+        # policy), computed at most once per step.
+        self._prefilled_prefixes: set[bytes] | None = None
 
     # -- queue management ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -165,6 +171,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._prefilled_prefixes = None
         rotated = self._maybe_rotate(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         deferred = False
@@ -283,21 +290,35 @@ class Scheduler:
 
     def _next_waiting(self) -> Request:
         """The request to admit next: the head, or under the "prefix" policy the
-        first fresh request within `PREFIX_WINDOW` whose prompt starts with a
-        block a running request holds, moved to the front (module doc)."""
+        first fresh request within `PREFIX_WINDOW` that shares its first block
+        with a running request whose prompt is computed, moved to the front
+        (module doc)."""
         head = self.waiting[0]
-        if (self.config.scheduling_policy != "prefix" or head.num_overtaken >= self.config.max_num_seqs
-                or self.kv_cache.shares_held_prefix(head)):
+        if self.config.scheduling_policy != "prefix" or head.num_overtaken >= self.config.max_num_seqs:
+            return head
+        shared = self._shared_prefixes()
+        if self.kv_cache.first_block_hash(head) in shared:
             return head
         for i in range(1, min(len(self.waiting), PREFIX_WINDOW)):
             request = self.waiting[i]
-            if request.num_preemptions == 0 and self.kv_cache.shares_held_prefix(request):
+            if request.num_preemptions == 0 and self.kv_cache.first_block_hash(request) in shared:
                 head.num_overtaken += 1
                 self.num_prefix_overtakes += 1
                 del self.waiting[i]
                 self.waiting.appendleft(request)
                 return request
         return head
+
+    def _shared_prefixes(self) -> set[bytes]:
+        """First-block hashes of running requests whose prompt is computed: a
+        request sharing one hits the whole shared prefix. One still in its
+        prefill has cached only its first chunks, and a request let in then
+        would recompute the rest itself."""
+        if self._prefilled_prefixes is None:
+            self._prefilled_prefixes = {
+                h for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens
+                and (h := self.kv_cache.first_block_hash(r)) is not None}
+        return self._prefilled_prefixes
 
     def _admit(self, request: Request, num_hit: int) -> None:
         request.num_computed_tokens = num_hit

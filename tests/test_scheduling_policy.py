@@ -56,6 +56,20 @@ def test_request_sharing_a_held_prefix_goes_first(policy, admitted):
     scheduler.kv_cache.check_integrity()
 
 
+def test_no_priority_while_the_shared_prefix_is_still_prefilling():
+    # "a" prefills in chunks of 12: a request let in on its first block then
+    # would recompute the part of file X not yet cached.
+    kv = KVCacheManager(make_kv_cache_groups([FullAttentionSpec()]), 64, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=2, max_model_len=256,
+                                          scheduling_policy="prefix"), kv)
+    for name, prompt in [("a", FILE_X + [1, 2, 3]), ("y", FILE_Y + [4, 5]), ("x2", FILE_X + [6, 7])]:
+        scheduler.add_request(_request(name, prompt))
+    scheduler.update_after_step(scheduler.schedule())  # "a": 12 of 15 tokens
+    out = scheduler.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a", "y"]
+    assert scheduler.num_prefix_overtakes == 0
+
+
 def test_overtaking_is_bounded():
     scheduler = _scheduler("prefix")
     _admit_first(scheduler)
@@ -98,12 +112,12 @@ def test_prefix_policy_outputs_equal_fcfs(tmp_path):
 
     def run(**kwargs):
         llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, max_model_len=96,
-                  max_num_seqs=4, **kwargs)
+                  max_num_seqs=3, **kwargs)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         llm.engine.kv_cache.check_integrity()
         return [o.outputs[0].token_ids for o in outs], llm.engine.scheduler
 
     reference, _ = run()
-    reordered, scheduler = run(scheduling_policy="prefix", num_kv_blocks=40)
+    reordered, scheduler = run(scheduling_policy="prefix", num_kv_blocks=30)
     assert reordered == reference
-    assert scheduler.num_prefix_overtakes > 0
+    assert scheduler.num_prefix_overtakes > 0 and scheduler.num_preemptions > 0

@@ -47,7 +47,7 @@ from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
 from kvserve.cache.hashing import extend_block_hashes
 from kvserve.cache.host_tier import CopyBatch, HostBlockRef, HostTier
-from kvserve.cache.managers import HitBlock, SingleTypeManager, block_content, make_manager
+from kvserve.cache.managers import HitBlock, SingleTypeManager, make_manager
 
 if TYPE_CHECKING:
     from kvserve.request import Request
@@ -191,18 +191,15 @@ class KVCacheManager:
         return (ComputedBlocks(blocks, swapped.num_tokens, self._epoch(), is_swap_in=True),
                 swapped.num_tokens)
 
-    def shares_held_prefix(self, request: Request) -> bool:
-        """Whether the request's first full block is cached on the GPU and held by
-        a running request, so its shared prefix costs no new blocks (the
-        scheduler's "prefix" policy). One hash-map lookup, no tier walk."""
-        if not self.enable_prefix_caching or request.num_tokens <= self.block_size:
-            return False
+    def first_block_hash(self, request: Request) -> bytes | None:
+        """The hash of the request's first full block (None without prefix
+        caching or a full block): two requests with the same one share a
+        prefix, the scheduler's "prefix" policy's cheap test."""
+        if not self.enable_prefix_caching or request.num_tokens < self.block_size:
+            return None
         if not request.block_hashes:
             extend_block_hashes(request, self.block_size, self.extra_keys)
-        manager = self.managers[0]
-        content = block_content(request.block_hashes, request.prompt_token_ids, 0, self.block_size)
-        block = self.pool.get_cached_block(manager.group_id, request.block_hashes[0], content)
-        return block is not None and block.ref_cnt > 0
+        return request.block_hashes[0]
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int,
                              computed: ComputedBlocks | None = None) -> None:
