@@ -40,11 +40,11 @@ the first fresh (never preempted) request within `PREFIX_WINDOW` that does
 goes first: its shared prefix is a hit on blocks already held, so it costs
 no new blocks or compute and the batch holds more requests. (A holder still
 in its chunked prefill has cached only its first chunks: a request let in
-then would recompute the rest.) The head
-can be overtaken at most `max_num_seqs` times, then it is admitted in order.
-Denser batches grow into each other, so under this policy an admission must
-also leave one free block per running request (each may cross a block
-boundary before the next admission).
+then would recompute the rest.) The head can be overtaken at most
+`max_num_seqs` times, then it is admitted in order. Denser batches grow into
+each other, so under this policy an admission must also leave one free block
+per running request (each may cross a block boundary before the next
+admission).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.config import PREEMPTION_MODES, SchedulerConfig
 from kvserve.request import Request, RequestStatus
 
-# How far past the head the "prefix" policy looks for a request sharing a held prefix.
+# How far past the head the "prefix" policy looks for a request sharing a running one's prefix.
 PREFIX_WINDOW = 128
 
 
