@@ -115,9 +115,10 @@ def test_prefix_policy_outputs_equal_fcfs(tmp_path):
                   max_num_seqs=3, **kwargs)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         llm.engine.kv_cache.check_integrity()
-        return [o.outputs[0].token_ids for o in outs], llm.engine.scheduler
+        return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
 
-    reference, _ = run()
-    reordered, scheduler = run(scheduling_policy="prefix", num_kv_blocks=30)
+    reference, fcfs = run()
+    reordered, metrics = run(scheduling_policy="prefix", num_kv_blocks=30)
     assert reordered == reference
-    assert scheduler.num_prefix_overtakes > 0 and scheduler.num_preemptions > 0
+    assert fcfs["num_prefix_overtakes"] == 0
+    assert metrics["num_prefix_overtakes"] > 0 and metrics["num_preemptions"] > 0

@@ -230,6 +230,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_kv_rotations": self.scheduler.num_rotations,
             "num_load_ahead_admissions": self.scheduler.num_load_ahead,
+            "num_prefix_overtakes": self.scheduler.num_prefix_overtakes,
             "kv_cache_fragmentation": kv.fragmentation(),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),

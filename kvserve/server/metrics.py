@@ -44,6 +44,8 @@ COUNTERS = {
                                   "KV blocks loaded host -> GPU a step ahead (load-ahead admission)."),
     "num_load_ahead_admissions": ("kvserve:num_load_ahead_admissions",
                                   "Requests admitted a step ahead so their host loads overlap a forward."),
+    "num_prefix_overtakes": ("kvserve:num_prefix_overtakes",
+                             "Admissions ahead of the queue head (scheduling_policy=prefix)."),
     "kv_host_load_wait_s": ("kvserve:kv_host_load_wait_seconds",
                             "Time the forward pass waited for GPU<->host KV copies."),
     "kv_host_swap_outs": ("kvserve:kv_host_swap_outs", "Preemptions that swapped a request's KV to host."),
