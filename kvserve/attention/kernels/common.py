@@ -44,6 +44,22 @@ def page_offsets(j, num_keys, sink_end, lo, block_table_row_ptr,
 
 
 @triton.jit
+def score_tile(q, k_cache_ptr, v_cache_ptr, j, num_keys, sink_end, lo, block_table_row_ptr,
+               stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale,
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile at virtual indices j: key positions, validity, the V row
+    pointers for `online_softmax_tile`, and the unmasked scores q·K (log2
+    units). Each kernel applies its own mask to the scores."""
+    dims = tl.arange(0, HEAD_DIM)
+    key, key_valid, kv_offs = page_offsets(
+        j, num_keys, sink_end, lo, block_table_row_ptr, stride_cache_block,
+        stride_cache_offset, kv_head_offset, PAGE_SIZE)
+    k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    return key, key_valid, v_cache_ptr + kv_offs[:, None] + dims[None, :], s
+
+
+@triton.jit
 def online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION: tl.constexpr):
     """Fold one tile of masked scores `s` (log2 units) into the running max,
     sum and unnormalised output. The tile's V rows are loaded here, after the

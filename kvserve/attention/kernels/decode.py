@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, page_offsets,
+from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, score_tile,
                                               visible_range)
 
 LOG2E = 1.4426950408889634
@@ -71,20 +71,15 @@ def _attend_cached(q, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo, table_
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax of the query rows over cached keys [start, end):
     (running max, running sum, unnormalised output), in log2 units."""
-    dims = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for tile in range(start, end, BLOCK_N):
-        j = tile + tl.arange(0, BLOCK_N)
-        _, key_valid, kv_offs = page_offsets(
-            j, end, sink_end, lo, table_row, stride_cache_block,
-            stride_cache_offset, kv_head_offset, PAGE_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        _, key_valid, v_ptrs, s = score_tile(
+            q, k_cache_ptr, v_cache_ptr, tile + tl.arange(0, BLOCK_N), end, sink_end, lo,
+            table_row, stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION)
         s = tl.where(key_valid[None, :], s, float("-inf"))
-        v_ptrs = v_cache_ptr + kv_offs[:, None] + dims[None, :]
         m_i, l_i, acc = online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION)
     return m_i, l_i, acc
 

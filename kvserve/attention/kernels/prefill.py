@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, page_offsets,
+from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, score_tile,
                                               visible_range)
 
 LOG2E = 1.4426950408889634
@@ -38,23 +38,18 @@ def _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, num_keys, sink_end, lo, 
     """Online softmax of the query rows (at positions q_pos) over the tile's
     visible keys, masked causally (and by window + sink): (running sum,
     unnormalised output)."""
-    dims = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in range(0, num_keys, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        key, key_valid, kv_offs = page_offsets(
-            j, num_keys, sink_end, lo, table_row, stride_cache_block,
-            stride_cache_offset, kv_head_offset, PAGE_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :],
-                    mask=key_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        key, key_valid, v_ptrs, s = score_tile(
+            q, k_cache_ptr, v_cache_ptr, start + tl.arange(0, BLOCK_N), num_keys, sink_end, lo,
+            table_row, stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION)
         visible = key_valid[None, :] & (key[None, :] <= q_pos[:, None])
         if SLIDING:
             visible &= ((q_pos[:, None] - key[None, :]) < window) | (key[None, :] < sink)
         s = tl.where(visible, s, float("-inf"))
-        v_ptrs = v_cache_ptr + kv_offs[:, None] + dims[None, :]
         m_i, l_i, acc = online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION)
     return l_i, acc
 
