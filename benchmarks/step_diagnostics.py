@@ -82,10 +82,11 @@ def step_profile(what: str) -> None:
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
-    if what in ("decode24prof", "ide112prof"):  # profile steady decode only: run until every prefill is done
+    decode_only = what in ("decode24prof", "ide112prof")
+    if decode_only:  # profile steady decode only: run until every prefill is done
         while not all(r.num_output_tokens >= 2 for r in engine.requests.values()):
             engine.step()
-    for _ in range(2 if what in ("decode24prof", "ide112prof") else 3):
+    for _ in range(2 if decode_only else 3):
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
