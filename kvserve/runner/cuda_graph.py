@@ -61,6 +61,8 @@ class DecodeGraphs:
         self.slot_mappings = [torch.full((n,), -1, dtype=torch.long, device=device) for _ in range(num_groups)]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # Replays per (size, bucket): tests assert graphs ran, not merely exist.
+        self.num_replays: dict[tuple[int, int], int] = {}
 
     def _meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -116,4 +118,5 @@ class DecodeGraphs:
             static_slots[:n].copy_(slot)
             static_slots[n:size].fill_(-1)
         self.graphs[size, bucket].replay()
+        self.num_replays[size, bucket] = self.num_replays.get((size, bucket), 0) + 1
         return self.outputs[size, bucket][:n]

@@ -69,6 +69,7 @@ class ModelRunner:
         model.bind_kv_caches([self.kv_caches[slot] for slot in layout.layer_to_slot])
         self.graphs: DecodeGraphs | None = None
         self.kv_transfer: KVTransfer | None = None
+        self.num_eager_forwards = 0  # forwards not served by a graph (tests compare with replays)
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
@@ -139,6 +140,7 @@ class ModelRunner:
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens,
                                    meta.max_seq_len)
+        self.num_eager_forwards += 1
         return self.model(inputs.input_ids, inputs.positions, meta)
 
 
