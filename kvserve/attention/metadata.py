@@ -15,6 +15,15 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class PrefillTiles:
+    """A fixed-length tile table for the varlen kernel under CUDA graphs:
+    program p attends for query tile `q_tile[p]` of sequence `seq[p]`
+    (int32 device tensors; seq -1 marks an idle program)."""
+    seq: torch.Tensor
+    q_tile: torch.Tensor
+
+
 @dataclass
 class AttentionMetadata:
     num_seqs: int
@@ -37,6 +46,9 @@ class AttentionMetadata:
     # Derived per-batch tensors a backend computes once and reuses in every
     # layer (masks, gather indices), keyed by whatever the backend needs.
     scratch: dict[Any, Any] = field(default_factory=dict)
+    # Set only in captured mixed-step graphs: the varlen kernel's grid comes
+    # from this table, not from the host lengths above (which are bounds there).
+    prefill_tiles: PrefillTiles | None = None
 
     @property
     def is_decode_only(self) -> bool:

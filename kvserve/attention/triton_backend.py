@@ -37,7 +37,8 @@ class TritonAttentionBackend:
             return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink,
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)
-        return prefill_attention(*args, meta.max_query_len, layer.scale, window, sink)
+        return prefill_attention(*args, meta.max_query_len, layer.scale, window, sink,
+                                 tiles=meta.prefill_tiles)
 
 
 def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:

@@ -86,7 +86,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                     num_host_blocks * layout.bytes_per_block / 1024**3)
     costs = PreemptionCosts(cache_config.preemption_mode, cache_config.kv_copy_bandwidth_gbps * 1e9)
     if device.type == "cuda" and not args.enforce_eager:
-        runner.capture_decode_graphs(sched_config.max_model_len, sched_config.max_num_seqs)
+        runner.capture_graphs(sched_config.max_model_len, sched_config.max_num_seqs,
+                              sched_config.max_num_batched_tokens, mixed=backend.name == "triton")
     logger.info("KV cache: %d blocks x %d tokens, %d group(s): %s", num_blocks, cache_config.block_size,
                 len(groups), ", ".join(g.spec.describe() for g in groups))
     eos = set(config.eos_token_ids)

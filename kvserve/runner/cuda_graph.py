@@ -74,8 +74,7 @@ class DecodeGraphs:
             query_lens_cpu=[1] * size, seq_lens_cpu=[max_seq_len] * size)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+    def capture(self, pool) -> None:
         stream = torch.cuda.Stream()
         # Largest first: later graphs reuse its pool.
         for key in [(size, bucket) for size in reversed(self.sizes) for bucket in reversed(self.buckets)]:

@@ -68,6 +68,7 @@ class ModelRunner:
         self.kv_caches = list(self.kv_storage.unbind(0))
         model.bind_kv_caches([self.kv_caches[slot] for slot in layout.layer_to_slot])
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs = None  # MixedGraphs, imported with Triton on capture
         self.kv_transfer: KVTransfer | None = None
         self.num_eager_forwards = 0  # forwards not served by a graph (tests compare with replays)
 
@@ -86,13 +87,23 @@ class ModelRunner:
             raise RuntimeError("KV block copies were queued but no host tier is attached")
         self.kv_transfer.run(copies, prefetch)
 
-    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
-        """CUDA graphs for decode batches (CUDA only; `enforce_eager` skips this)."""
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                       mixed: bool = True) -> None:
+        """CUDA graphs for decode batches and (with `mixed`, which needs the
+        Triton backend's tile-table grid) for mixed steps, in one memory pool
+        (CUDA only; `enforce_eager` skips this)."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
+        if mixed:  # its largest step is the pool's largest graph: captured first
+            from kvserve.runner.mixed_graph import MixedGraphs
+            self.mixed_graphs = MixedGraphs(self.model, self.layout.num_groups, self.layout.block_size,
+                                            max_model_len, max_num_seqs, max_num_batched_tokens,
+                                            self.device)
+            self.mixed_graphs.capture(pool)
         self.graphs = DecodeGraphs(self.model, self.layout.num_groups, self.layout.block_size,
                                    max_model_len, max_num_seqs, self.device)
-        self.graphs.capture()
+        self.graphs.capture(pool)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, block_ids: list[list[list[int]]],
@@ -140,6 +151,9 @@ class ModelRunner:
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens,
                                    meta.max_seq_len)
+        if self.mixed_graphs is not None and not meta.is_decode_only and \
+                self.mixed_graphs.bucket_for(meta.num_tokens, meta.num_seqs):
+            return self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
         self.num_eager_forwards += 1
         return self.model(inputs.input_ids, inputs.positions, meta)
 

@@ -5,6 +5,12 @@ heads of one KV head (BLOCK_M = BLOCK_Q * GROUP rows), so each K/V tile is
 loaded once per GQA group. It walks only the keys its tile can see (cached
 prefix + causal part of the chunk, or sink + window), with an online softmax
 in fp32 and tl.dot for both matrix products.
+
+The grid is either (sequences, query tiles of the longest query, KV heads),
+planned from the batch's host lengths, or, for CUDA-graph replay, a fixed
+number of programs that each read their (sequence, query tile) from a tile
+table (`PrefillTiles`): the table is rewritten before every replay, and
+entries past the batch's tiles hold sequence -1, so those programs exit.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.metadata import PrefillTiles
 from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, score_tile,
                                               visible_range)
 
@@ -28,6 +35,22 @@ class PrefillConfig:
     block_n: int = 32    # keys per tile
     num_warps: int = 4
     num_stages: int = 4
+
+    def block_q(self, num_heads: int, num_kv_heads: int) -> int:
+        """Query tokens per program: BLOCK_M rows hold all heads of one GQA group."""
+        group = num_heads // num_kv_heads
+        return max(self.block_m, triton.next_power_of_2(group)) // group
+
+
+def tile_table(query_lens: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq, q_tile) of every query tile of a batch, host int32 tensors."""
+    tiles = (query_lens + block_q - 1) // block_q
+    total = int(tiles.sum())
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), tiles,
+                                  output_size=total)
+    first = torch.cumsum(tiles, 0) - tiles
+    q_tile = torch.arange(total, dtype=torch.int32) - first.to(torch.int32)[seq.long()]
+    return seq, q_tile
 
 
 @triton.jit
@@ -59,13 +82,19 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-    stride_cache_block, stride_cache_offset, stride_cache_head,
+    stride_cache_block, stride_cache_offset, stride_cache_head, tile_seq_ptr, tile_q_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TILED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    if TILED:
+        seq = tl.load(tile_seq_ptr + tl.program_id(0))
+        q_tile = tl.load(tile_q_ptr + tl.program_id(0))
+        if seq < 0:
+            return
+    else:
+        seq = tl.program_id(0)
+        q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -105,23 +134,30 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
                       block_table: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, max_query_len: int, scale: float,
                       window: int | None, sink: int,
-                      config: PrefillConfig = PrefillConfig()) -> torch.Tensor:
-    """q/out: [T, H, D]; the cache already holds this step's K/V."""
+                      config: PrefillConfig = PrefillConfig(),
+                      tiles: PrefillTiles | None = None) -> torch.Tensor:
+    """q/out: [T, H, D]; the cache already holds this step's K/V. With
+    `tiles`, the grid is the tile table's length, whatever the batch."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     block_m = max(config.block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
+    block_q = block_m // group  # as config.block_q, which tile tables are built with
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    if tiles is None:
+        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+        tile_seq = tile_q = seq_lens  # unread placeholders
+    else:
+        grid = (tiles.seq.shape[0], 1, num_kv_heads)
+        tile_seq, tile_q = tiles.seq, tiles.q_tile
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
         scale * LOG2E, window or 0, sink,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), tile_seq, tile_q,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
-        DOT_PRECISION=dot_precision(kv_cache.dtype),
+        DOT_PRECISION=dot_precision(kv_cache.dtype), TILED=tiles is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
