@@ -25,6 +25,9 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    # Request.timeline(): arrival, scheduled/resumed (+ hit tokens), each prefill
+    # chunk (+ tokens), preempted, first_token, finish; times are time.monotonic().
+    timeline: list[dict] = field(default_factory=list)
 
 
 @dataclass

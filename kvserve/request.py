@@ -69,6 +69,34 @@ class Request:
     # text the stop-string check has already scanned.
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     stop_checked_chars: int = 0
+    # (time, event, tokens) at the points the scheduler passes through:
+    # "scheduled"/"resumed" (tokens: the prefix hit), "prefill" (a prompt chunk's
+    # tokens), "preempted" (tokens computed and lost). Arrival, first token and
+    # finish are the timestamps above; `timeline()` merges them.
+    events: list[tuple[float, str, int]] = field(default_factory=list)
+
+    # -- timeline (read by RequestOutput.metrics and kvserve.diagnose) --------
+    def record_event(self, event: str, tokens: int = 0) -> None:
+        self.events.append((time.monotonic(), event, tokens))
+
+    def on_admitted(self, num_hit_tokens: int) -> None:
+        self.record_event("resumed" if self.num_preemptions else "scheduled", num_hit_tokens)
+
+    def on_computed(self, start_pos: int, num_new_tokens: int) -> None:
+        """A step computed [start_pos, start_pos + num_new_tokens): a prompt
+        chunk is an event, a decode step is not (too many to keep)."""
+        if start_pos < self.num_prompt_tokens:
+            self.record_event("prefill", num_new_tokens)
+
+    def timeline(self) -> list[dict[str, float | str | int]]:
+        """Arrival, the scheduler's events, first token and finish, in time order."""
+        marks = [(self.arrival_time, "arrival", self.num_prompt_tokens), *self.events]
+        if self.first_token_time is not None:
+            marks.append((self.first_token_time, "first_token", 1))
+        if self.finished_time is not None:
+            marks.append((self.finished_time, "finish", self.num_output_tokens))
+        marks.sort(key=lambda m: m[0])
+        return [{"t": t, "event": e, "tokens": n} for t, e, n in marks]
 
     @property
     def all_token_ids(self) -> list[int]:

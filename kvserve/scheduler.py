@@ -215,6 +215,7 @@ class Scheduler:
             self.num_swap_preemptions += 1
         else:
             self.kv_cache.free(request)
+        request.record_event("preempted", request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -321,6 +322,7 @@ class Scheduler:
         return self._prefilled_prefixes
 
     def _admit(self, request: Request, num_hit: int) -> None:
+        request.on_admitted(num_hit)
         request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
@@ -333,6 +335,7 @@ class Scheduler:
         """Advance computed tokens for what the forward pass just wrote."""
         for item in out.scheduled:
             item.request.num_computed_tokens = item.start_pos + item.num_new_tokens
+            item.request.on_computed(item.start_pos, item.num_new_tokens)
 
     def remove_finished(self, request: Request, status: RequestStatus) -> None:
         """Finish a request wherever it is: with pipelined steps, a stop can land

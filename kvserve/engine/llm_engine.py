@@ -10,6 +10,7 @@ from typing import Any
 
 from kvserve.config import EngineArgs
 from kvserve import detokenizer
+from kvserve.diagnose.recorder import RequestRecorder
 from kvserve.engine.builder import EngineParts, build_engine_parts
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
@@ -32,6 +33,7 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.recorder = RequestRecorder(self.kv_cache.block_size)  # reuse + timelines for diagnose
 
     # -- intake --------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -49,6 +51,7 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.recorder.on_arrival(request)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -146,6 +149,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.remove_finished(request, status)
                 self.stats.record_finished(request)
+                self.recorder.on_finished(request)
                 self._forget(request)
             touched.append(request)
         return touched
@@ -216,7 +220,8 @@ class LLMEngine:
             logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
             finish_reason=finish_reason, stop_reason=request.stop_reason)
         metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                                 request.first_token_time, request.finished_time, request.num_preemptions)
+                                 request.first_token_time, request.finished_time, request.num_preemptions,
+                                 request.timeline())
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              max(request.num_cached_tokens, 0), [completion], finished, metrics)
 
@@ -237,6 +242,7 @@ class LLMEngine:
             **kv.host_metrics(),
             **self._transfer_metrics(),
             **self.stats.as_dict(),
+            **self.recorder.as_dict(),
         }
 
     def _transfer_metrics(self) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""RequestRecorder: what the engine knows about its traffic that no cache
+counter says.
+
+Reuse an unbounded prefix cache would get: every prompt's tokens are hashed
+in `base`-token chunks at arrival (chained, like block hashes) against every
+earlier prompt's chunks. The longest run of seen chunks is the prompt's
+reusable prefix; at block size B a cache could hit `floor(run / B) * B` of it
+(at most prompt - 1 tokens, as the engine computes at least one). Comparing
+the cache's real hits with this says whether reuse was lost to eviction, to
+caching being off, or to block granularity. The seen-chunk map is bounded
+(oldest forgotten first) so memory stays flat on a long-running server.
+
+It also keeps the last finished requests' timelines for the debug endpoint
+and for offline records.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kvserve.cache.hashing import hash_block
+
+if TYPE_CHECKING:
+    from kvserve.request import Request
+
+CANDIDATE_BLOCK_SIZES = (8, 16, 32, 64)
+MAX_SEEN_CHUNKS = 1 << 21
+RECENT_REQUESTS = 256
+
+
+class RequestRecorder:
+    def __init__(self, block_size: int, max_seen: int = MAX_SEEN_CHUNKS,
+                 recent: int = RECENT_REQUESTS) -> None:
+        self.block_size = block_size
+        self.base = math.gcd(block_size, 8)
+        self.sizes = sorted({block_size, *(b for b in CANDIDATE_BLOCK_SIZES if b % self.base == 0)})
+        self.max_seen = max_seen
+        self._seen: dict[bytes, None] = {}
+        self.num_arrivals = 0
+        self.num_prompt_tokens = 0
+        self.reusable_tokens = {b: 0 for b in self.sizes}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
+
+    def on_arrival(self, request: Request) -> None:
+        tokens = request.prompt_token_ids
+        run = self._observe_prefix(tokens)
+        self.num_arrivals += 1
+        self.num_prompt_tokens += len(tokens)
+        for b in self.sizes:
+            self.reusable_tokens[b] += min(run // b * b, (len(tokens) - 1) // b * b)
+
+    def _observe_prefix(self, tokens: list[int]) -> int:
+        """Tokens of `tokens` (whole chunks) already seen as an earlier prefix;
+        records every chunk as seen."""
+        parent, run, matching = None, 0, True
+        for start in range(0, len(tokens) - self.base + 1, self.base):
+            parent = hash_block(parent, tokens[start:start + self.base])
+            if matching and parent in self._seen:
+                run += self.base
+                continue
+            matching = False
+            self._seen[parent] = None
+        if len(self._seen) > self.max_seen:  # forget the oldest quarter at once
+            for key in list(self._seen)[:self.max_seen // 4]:
+                del self._seen[key]
+        return run
+
+    def on_finished(self, request: Request) -> None:
+        self.recent.append(request_record(request))
+
+    def recent_requests(self) -> list[dict[str, Any]]:
+        """A copy safe to take from another thread (list() of a deque is one C call)."""
+        return list(self.recent)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_requests_arrived": self.num_arrivals,
+                               "prompt_tokens_arrived": self.num_prompt_tokens,
+                               "prefix_reusable_tokens": self.reusable_tokens[self.block_size]}
+        for b in self.sizes:
+            out[f"prefix_reusable_tokens_bs{b}"] = self.reusable_tokens[b]
+        return out
+
+
+def request_record(request: Request) -> dict[str, Any]:
+    """One finished request as plain data: ids, lengths, and its timeline."""
+    return {"request_id": request.request_id, "prompt_tokens": request.num_prompt_tokens,
+            "output_tokens": request.num_output_tokens,
+            "cached_tokens": max(request.num_cached_tokens, 0),
+            "num_preemptions": request.num_preemptions, "timeline": request.timeline()}
