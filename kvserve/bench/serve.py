@@ -15,7 +15,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -298,9 +298,20 @@ def add_serve_bench_parser(kinds: Any) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--tokenizer", default=None,
+                   help="HF tokenizer dir: send token-id prompts, so every engine gets the same ids "
+                        "and none spends its time tokenizing")
     p.add_argument("--save-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG: latency histograms and KV usage over time")
     p.set_defaults(func=run_serve_bench_cli)
+
+
+def token_id_prompts(requests: list[WorkloadRequest], tokenizer_dir: str) -> list[WorkloadRequest]:
+    """The same requests with prompts as token ids (no special tokens added)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    ids = tokenizer([r.prompt for r in requests], add_special_tokens=False)["input_ids"]
+    return [replace(r, prompt=p) for r, p in zip(requests, ids)]
 
 
 def run_serve_bench_cli(a: argparse.Namespace) -> int:
@@ -317,6 +328,8 @@ async def _main(a: argparse.Namespace) -> int:
         client.model = a.model or card["id"]
         max_len = a.max_len or card.get("max_model_len", 8192)
         requests = generate_workload(a.workload, a.num_prompts, a.seed, a.scale, max_len)
+        if a.tokenizer:
+            requests = token_id_prompts(requests, a.tokenizer)
         results, duration, before, after, samples = await run_benchmark(
             client, requests, a.request_rate, a.max_concurrency, a.seed)
     finally:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Online load against one engine's OpenAI server on the GPU machine, client `kvserve bench serve`
+# with token-id prompts (streaming /v1/completions, Poisson arrivals).
+# Usage (repo root): bash benchmarks/serve_load.sh kvserve|vllm MODEL_DIR "RATES" [WORKLOADS]
+#   MODEL_DIR: config.json + tokenizer (benchmarks/make_dummy_model.py); both engines build dummy weights.
+#   env: N (requests per run, default 768), OUT (result folder), EXTRA (more server flags).
+# vLLM comes from .vsite (../shared/peers/vllm/README.md); its site also carries kvserve's server deps.
+set -u
+engine=${1:?engine} dir=${2:?model dir} rates=${3:?rates} workloads=${4:-ide-completion}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; port=8011
+export PYTHONPATH=$PWD:$PWD/.vsite PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0
+flags="--model $dir --load-format dummy --port $port --max-num-batched-tokens 8192 --max-model-len 8192 \
+  --gpu-memory-utilization 0.85 ${EXTRA:-}"
+if [ "$engine" = vllm ]; then
+  cmd="python3 -m vllm.entrypoints.openai.api_server --served-model-name m $flags"
+else
+  cmd="python3 -m kvserve.cli serve $flags"
+fi
+echo "\$ $cmd"; start=$(date +%s)
+$cmd > "$OUT/server_$engine.log" 2>&1 & server=$!
+until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+  sleep 2
+  if ! kill -0 $server 2> /dev/null || [ $(( $(date +%s) - start )) -gt 400 ]; then
+    echo "server did not come up"; tail -30 "$OUT/server_$engine.log"; exit 1
+  fi
+done
+echo "startup $(( $(date +%s) - start )) s"
+for w in $workloads; do
+  for r in $rates; do
+    echo "\$ kvserve bench serve --workload $w --num-prompts ${N:-768} --request-rate $r --tokenizer $dir"
+    timeout 300 python3 -m kvserve.cli bench serve --url "http://127.0.0.1:$port" --workload "$w" \
+      --num-prompts "${N:-768}" --request-rate "$r" --tokenizer "$dir" --max-len 8192 \
+      --save-json "$OUT/${engine}_${w}_${r}.json" 2>&1 | grep -v "^\s*$" | head -24
+  done
+done
+kill $server; wait $server 2> /dev/null
