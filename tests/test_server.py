@@ -21,7 +21,6 @@ import uvicorn
 
 from kvserve.bench.serve import parse_prometheus
 from kvserve.config import EngineArgs
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.app import build_app
 from tests.tiny_models import save_tiny_checkpoint
 
@@ -67,9 +66,10 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def embedded():
-    engine = LLMEngine(EngineArgs(max_model_len=2048))
-    with LiveServer(build_app(engine, MODEL)) as server:
-        server.engine = engine
+    # The engine core runs in its own process, as under `kvserve serve`.
+    app = build_app(EngineArgs(max_model_len=2048), MODEL)
+    with LiveServer(app) as server:
+        server.engine = app.state.async_engine.engine   # tokenizer and configs, API side
         yield server
 
 
@@ -79,9 +79,9 @@ def tiny_path(tmp_path_factory):
 
 
 def _tiny_server(path, **kwargs) -> LiveServer:
-    max_waiting = kwargs.pop("max_waiting_requests", 256)
-    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", device="cpu", **kwargs))
-    return LiveServer(build_app(engine, "tiny", max_waiting))
+    max_waiting = kwargs.pop("max_waiting_requests", None)
+    args = EngineArgs(model=str(path), dtype="float32", device="cpu", **kwargs)
+    return LiveServer(build_app(args, "tiny", max_waiting))
 
 
 # -- completions and chat -------------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_32_streams_with_a_third_disconnecting(tiny_path):
         assert m['kvserve:request_success_total{finished_reason="length"}'] == 21
 
 
-def test_full_waiting_queue_answers_503_with_retry_after(tiny_path):
+def test_full_waiting_queue_answers_429_with_retry_after(tiny_path):
     with _tiny_server(tiny_path, max_num_seqs=1, max_waiting_requests=1) as server:
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -287,7 +287,7 @@ def test_full_waiting_queue_answers_503_with_retry_after(tiny_path):
                     http.stream("POST", "/v1/completions", json=body) as second:
                 assert first.status_code == second.status_code == 200
                 rejected = http.post("/v1/completions", json={**body, "stream": False})
-                error = _error(rejected, 503)
+                error = _error(rejected, 429)
                 assert rejected.headers["retry-after"] == "1" and error["type"] == "server_overloaded"
         m = server.wait_idle()
         assert m["kvserve:kv_cache_usage_perc"] == 0.0

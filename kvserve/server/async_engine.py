@@ -1,32 +1,46 @@
-"""AsyncEngine: runs one LLMEngine on a background thread and streams deltas
-to asyncio consumers.
+"""AsyncEngine: the API server's side of the engine core.
 
-The engine thread is the only caller of LLMEngine methods (tokenizing and
-chat templates included). HTTP handlers talk to it through a thread-safe
-command queue (submit, abort); it answers through `loop.call_soon_threadsafe`
-into one asyncio queue per submission. When no request is unfinished the
-thread sleeps on an event, so an idle server burns no CPU. Every request in
-flight shares each `engine.step()`.
+The core (kvserve/engine/core_process.py) schedules and runs the model, in its
+own process for `kvserve serve` or on a thread when handed an LLMEngine built
+here. Everything with text happens on this side, on the event loop:
+tokenizing (chat templates included), building and validating SamplingParams,
+incremental detokenization, stop strings (a hit aborts the request in the
+core) and logprobs. The core validates limits (context length, KV capacity,
+token ids) and accepts or rejects each job before its next step, so `submit`
+still raises ValueError (HTTP 400) synchronously.
+
+Inputs go out batched: adds and aborts queued during one turn of the event
+loop leave as one message. Outputs come back one message per engine step with
+every request's new token ids. If the core dies or raises, every open
+submission fails with an OpenAI-style error and `is_healthy` turns False.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
-from kvserve.request import Request
+from kvserve.engine.core_protocol import (
+    CoreInputs, CoreJob, CoreOutput, CoreOutputs, CoreRequest, Rejection, pack_sampling_params)
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.output_processor import ChoiceOutput
+from kvserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
-    """The bounded waiting queue is full; the client should retry later."""
+    """The opt-in bound on waiting requests is reached; the client should retry later."""
+
+
+class EngineDeadError(APIError):
+    """The engine core stopped: in-flight requests fail, new ones are refused."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status, message, type="internal_server_error", code="engine_dead")
 
 
 @dataclass
@@ -57,14 +71,32 @@ class Delta:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    stop_reason: str | int | None = None   # the stop string or stop token id that ended it
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+@dataclass
+class _Choice:
+    """One engine request on the API side. Its time fields are the ones
+    ServerMetrics.observe_finished reads."""
+    submission: "Submission"
+    index: int
+    request_id: str
+    num_prompt_tokens: int
+    output: ChoiceOutput
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    last_token_time: float = field(default_factory=time.monotonic)
+    num_cached_tokens: int = 0
+
+
 class Submission:
-    """The asyncio side of one Job: acceptance future and delta queue."""
+    """The asyncio side of one Job: acceptance future, delta queue, its choices."""
 
     def __init__(self, job: Job, submission_id: str, on_choice_done) -> None:
         self.job = job
@@ -74,9 +106,11 @@ class Submission:
         self.accepted: asyncio.Future[list[int]] = self.loop.create_future()
         self.deltas: asyncio.Queue[Delta | Exception] = asyncio.Queue()
         self.num_open = job.num_choices   # choices whose final delta is not yet queued
+        self.choices: list[_Choice] = []
+        self.prompt_lens: list[int] = []
+        self.aborted = False
         self._on_choice_done = on_choice_done
 
-    # Called on the event loop thread only.
     def deliver(self, item: Delta | Exception) -> None:
         self.deltas.put_nowait(item)
         if isinstance(item, Exception):
@@ -96,64 +130,68 @@ class Submission:
             self.accepted.set_result(result)
 
 
-@dataclass
-class _Choice:
-    """Engine-thread bookkeeping for one engine request."""
-    submission: Submission
-    index: int
-    request: Request
-    num_sent_tokens: int = 0
-    sent_text: str = ""
-    last_token_time: float = field(default_factory=time.monotonic)
+def _make_core(engine, engine_hook):
+    """EngineArgs -> a core process; a built LLMEngine -> a core thread."""
+    from kvserve.config import EngineArgs
+    from kvserve.engine.core_client import ProcessCoreClient, ThreadCoreClient
+    if isinstance(engine, EngineArgs):
+        return ProcessCoreClient(engine, engine_hook)
+    return ThreadCoreClient(engine)
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics=None, max_waiting_requests: int = 256) -> None:
-        self.engine = engine
+    def __init__(self, engine, metrics=None, max_waiting_requests: int | None = None,
+                 engine_hook=None) -> None:
+        self.core = _make_core(engine, engine_hook)
+        # What serving.py and app.py read: tokenizer, scheduler_config, encode_prompt.
+        self.engine = self.core.info
+        self.cache_info = self.core.info.cache_info
         self.metrics = metrics
-        self.max_in_flight = engine.scheduler_config.max_num_seqs + max_waiting_requests
-        self.num_in_flight = 0          # choices accepted and not finished (loop thread)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._choices: dict[str, _Choice] = {}
+        max_num_seqs = self.engine.scheduler_config.max_num_seqs
+        self.max_in_flight = None if max_waiting_requests is None else max_num_seqs + max_waiting_requests
+        self.num_in_flight = 0          # choices submitted and not finished
+        self.error: str | None = None
+        self._choices: dict[str, _Choice] = {}       # request id -> accepted choice
+        self._pending: dict[str, Submission] = {}    # job id -> submission awaiting accept/reject
+        self._inputs = CoreInputs()
+        self._flush_scheduled = False
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    # -- lifecycle -------------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
-        self._publish_snapshot()
-        self._thread.start()
+        """Call on the event loop that will serve requests."""
+        self._loop = asyncio.get_running_loop()
+        self.core.start(self._on_outputs, self._on_core_exit)
 
     def shutdown(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=10)
+        self.core.shutdown()
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self.error is None and self.core.is_alive
 
-    # -- the asyncio side ------------------------------------------------------
+    # -- submit / deltas / abort --------------------------------------------------------
     async def submit(self, job: Job) -> tuple[Submission, list[int]]:
-        """Queue a job; returns once the engine accepted it, with each prompt's
-        token count. Raises Overloaded, or ValueError naming the violated limit."""
-        if self.num_in_flight + job.num_choices > self.max_in_flight:
+        """Queue a job; returns once the core accepted it, with each prompt's token
+        count. Raises Overloaded, ValueError naming the violated limit, or
+        EngineDeadError."""
+        if self.error is not None:
+            raise EngineDeadError(503, f"the engine is not running: {self.error}")
+        if self.max_in_flight is not None and self.num_in_flight + job.num_choices > self.max_in_flight:
             raise Overloaded(f"the server has {self.num_in_flight} requests in flight "
                              f"(limit {self.max_in_flight}); retry later")
         sub = Submission(job, f"s{next(self._ids)}", self._choice_done)
+        core_job = self._make_job(sub)   # tokenizes and validates params: may raise ValueError
         self.num_in_flight += job.num_choices
-        self._send(("submit", sub))
+        self._pending[sub.id] = sub
+        self._queue(add=core_job)
         try:
             prompt_lens = await asyncio.shield(sub.accepted)
         except asyncio.CancelledError:
             self.abort(sub)
             # Nobody awaits the answer any more; retrieve it so asyncio does not warn.
             sub.accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise
-        except Exception:
-            self.num_in_flight -= job.num_choices
             raise
         return sub, prompt_lens
 
@@ -174,159 +212,160 @@ class AsyncEngine:
                 self.abort(sub)
 
     def abort(self, sub: Submission) -> None:
-        self._send(("abort", sub))
+        """Finish the submission's open choices here and free them in the core."""
+        if sub.aborted:
+            return
+        sub.aborted = True
+        now = time.monotonic()
+        for choice in sub.choices:
+            if self._choices.pop(choice.request_id, None) is not None:
+                self._finish(choice, "abort", now)
+        self._queue(aborts=[c.request_id for c in sub.choices])
 
     def _choice_done(self, count: int) -> None:
         self.num_in_flight -= count
 
-    def _send(self, command: tuple[str, Submission]) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    # -- the engine thread -----------------------------------------------------
-    def _run(self) -> None:
-        while not self._stopping:
-            try:
-                self._iterate()
-            except Exception as e:  # the thread must outlive a bug: fail requests, report unhealthy
-                logger.exception("engine thread error")
-                self.error = e
-                self._fail_all(e)
-
-    def _iterate(self) -> None:
-        busy = self._drain_commands()
-        if self.engine.has_unfinished_requests():
-            self._step()
-            return
-        if busy:
-            self._publish_snapshot()
-        self._wake.wait()
-        self._wake.clear()
-
-    def _drain_commands(self) -> bool:
-        drained = False
-        while True:
-            try:
-                kind, sub = self._commands.get_nowait()
-            except queue.Empty:
-                return drained
-            drained = True
-            if kind == "submit":
-                self._accept(sub)
-            else:
-                self._abort(sub)
-
-    def _step(self) -> None:
-        touched = self.engine.step()
-        now = time.monotonic()
-        for request in touched:
-            choice = self._choices.get(request.request_id)
-            if choice is not None:
-                self._emit(choice, now)
-        self._publish_snapshot()
-
-    def _accept(self, sub: Submission) -> None:
-        try:
-            requests, prompt_lens = self._make_requests(sub)
-        except Exception as e:  # ValueError: a limit; anything else (a template error): still this job's
-            sub.loop.call_soon_threadsafe(sub.resolve, e)
-            return
-        for index, request in enumerate(requests):
-            self.engine.add_request(request)
-            self._choices[request.request_id] = _Choice(sub, index, request)
-            if self.metrics is not None:
-                self.metrics.count_prompt_tokens(request.num_prompt_tokens)
-        sub.loop.call_soon_threadsafe(sub.resolve, prompt_lens)
-
-    def _make_requests(self, sub: Submission) -> tuple[list[Request], list[int]]:
-        """Validate every choice before adding any: a bad prompt must not leave
-        half a job running."""
-        job, requests, prompt_lens = sub.job, [], []
+    # -- jobs ------------------------------------------------------------------------------
+    def _make_job(self, sub: Submission) -> CoreJob:
+        """Tokenize every prompt and build every choice's params before sending
+        any: a bad prompt must not leave half a job running."""
+        job, requests = sub.job, []
         for p, prompt in enumerate(job.prompts):
             token_ids = self._tokenize(prompt)
             max_tokens = job.max_tokens or max(1, self.engine.scheduler_config.max_model_len - len(token_ids))
             for i in range(job.n):
                 params = SamplingParams(**_child_params(job.params, i), max_tokens=max_tokens)
-                request = self.engine.make_request(token_ids, params, f"{sub.id}-{p}-{i}")
-                request.arrival_time = sub.arrival_time
-                requests.append(request)
-            prompt_lens.append(len(token_ids))
-        return requests, prompt_lens
+                request_id = f"{sub.id}-{p}-{i}"
+                output = ChoiceOutput(self.engine.tokenizer, params.stop_strings, params.logprobs is not None)
+                sub.choices.append(_Choice(sub, len(sub.choices), request_id, len(token_ids), output,
+                                           sub.arrival_time))
+                packed, grammar_json = _core_params(params)
+                requests.append(CoreRequest(request_id, token_ids, packed, sub.arrival_time, grammar_json))
+            sub.prompt_lens.append(len(token_ids))
+        return CoreJob(sub.id, requests)
 
     def _tokenize(self, prompt: str | list[int] | list[dict[str, Any]]) -> list[int]:
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             return apply_chat_template(tokenizer, prompt)
         if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ValueError("this model has no tokenizer: send the prompt as a list of token ids")
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return list(tokenizer.encode(prompt, add_special_tokens=False))
+            return self.engine.encode_prompt(prompt)   # BOS where the tokenizer adds one, as vLLM
         return list(prompt)
 
-    def _abort(self, sub: Submission) -> None:
-        for request_id, choice in list(self._choices.items()):
-            if choice.submission is sub:
-                self.engine.abort_request(request_id)
-                self._finish(choice, "abort", time.monotonic())
+    def _queue(self, add: CoreJob | None = None, aborts: list[str] = ()) -> None:
+        """Queue core inputs; they leave as one message when this loop turn ends."""
+        if add is not None:
+            self._inputs.adds.append(add)
+        self._inputs.aborts.extend(aborts)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id, choice in list(self._choices.items()):
-            self._choices.pop(request_id)
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("could not abort %s", request_id)
-            choice.submission.loop.call_soon_threadsafe(choice.submission.deliver, RuntimeError(
-                f"the engine failed while running this request: {error}"))
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        inputs, self._inputs = self._inputs, CoreInputs()
+        if self.error is None and (inputs.adds or inputs.aborts):
+            self.core.send(inputs)
 
-    def _emit(self, choice: _Choice, now: float) -> None:
-        request = choice.request
-        new_tokens = request.output_token_ids[choice.num_sent_tokens:]
-        if self.metrics is not None and choice.num_sent_tokens > 0:
+    # -- core outputs (on the event loop) ----------------------------------------------------
+    def _on_outputs(self, message: CoreOutputs) -> None:
+        for job_id in message.accepted:
+            self._on_accepted(job_id)
+        for rejection in message.rejected:
+            self._on_rejected(rejection)
+        now = time.monotonic()
+        for out in message.outputs:
+            choice = self._choices.get(out.request_id)
+            if choice is not None:
+                self._emit_safely(choice, out, now)
+        if message.metrics is not None and self.metrics is not None:
+            self.metrics.update(message.metrics)
+        if message.error is not None:
+            self._on_core_exit(f"the engine core failed: {message.error}")
+
+    def _on_accepted(self, job_id: str) -> None:
+        sub = self._pending.pop(job_id, None)
+        if sub is None:
+            return
+        for choice in sub.choices:
+            self._choices[choice.request_id] = choice
+            if self.metrics is not None:
+                self.metrics.count_prompt_tokens(choice.num_prompt_tokens)
+        sub.resolve(sub.prompt_lens)
+        if sub.aborted:   # cancelled while waiting for the core: finish as aborted now
+            sub.aborted = False
+            self.abort(sub)
+
+    def _on_rejected(self, rejection: Rejection) -> None:
+        sub = self._pending.pop(rejection.job_id, None)
+        if sub is None:
+            return
+        self.num_in_flight -= sub.job.num_choices
+        if rejection.invalid:
+            sub.resolve(ValueError(rejection.message))
+        else:
+            sub.resolve(RuntimeError(rejection.message))
+
+    def _emit_safely(self, choice: _Choice, out: CoreOutput, now: float) -> None:
+        try:
+            self._emit(choice, out, now)
+        except Exception as e:  # this submission's failure, not the server's
+            logger.exception("request %s: could not process its output", choice.request_id)
+            self._fail_submission(choice.submission, EngineDeadError(
+                500, f"the server failed while processing this request's output: {type(e).__name__}: {e}"))
+
+    def _emit(self, choice: _Choice, out: CoreOutput, now: float) -> None:
+        self._observe_token_times(choice, out, now)
+        choice.num_cached_tokens = out.num_cached_tokens
+        if choice.output.append(out.new_token_ids, out.new_logprobs):
+            self._choices.pop(choice.request_id, None)
+            self._queue(aborts=[choice.request_id])   # the core does not know stop strings
+            self._finish(choice, "stop", now)
+        elif out.finish_reason is not None:
+            self._choices.pop(choice.request_id, None)
+            self._finish(choice, out.finish_reason, now, out.stop_reason)
+        else:
+            choice.submission.deliver(Delta(choice.index, *choice.output.next_delta()))
+
+    def _observe_token_times(self, choice: _Choice, out: CoreOutput, now: float) -> None:
+        if out.scheduled_time is not None:
+            choice.first_scheduled_time = out.scheduled_time
+        if choice.first_token_time is None:
+            choice.first_token_time = now
+        elif self.metrics is not None:
             self.metrics.observe_inter_token(now - choice.last_token_time)
         choice.last_token_time = now
-        if request.is_finished:
-            self._finish(choice, request.status.value, now)
-            return
-        text = self._text_so_far(request)
-        delta = Delta(choice.index, new_tokens, text[len(choice.sent_text):], _new_logprobs(choice))
-        choice.num_sent_tokens, choice.sent_text = request.num_output_tokens, text
-        self._deliver(choice, delta)
 
-    def _text_so_far(self, request: Request) -> str:
-        """Detokenized output, holding back what may still change: an incomplete
-        UTF-8 character, or a tail that could grow into a stop string."""
-        text = self.engine.output_text_so_far(request)
-        stops = request.sampling_params.stop_strings
-        if stops:
-            text = text[:max(0, len(text) - max(len(s) for s in stops) + 1)]
-        return text
-
-    def _finish(self, choice: _Choice, reason: str, now: float) -> None:
-        request = choice.request
-        self._choices.pop(request.request_id, None)
-        text = self.engine.make_output(request).outputs[0].text if reason != "abort" else choice.sent_text
-        if text.startswith(choice.sent_text):
-            new_text = text[len(choice.sent_text):]
-        else:  # streamed text cannot be taken back; say so rather than drop it silently
-            logger.warning("request %s: final text does not extend the streamed text; "
-                           "sending no final delta", request.request_id)
-            new_text = ""
-        delta = Delta(choice.index, request.output_token_ids[choice.num_sent_tokens:], new_text,
-                      _new_logprobs(choice), reason, request.num_prompt_tokens,
-                      max(request.num_cached_tokens, 0))
+    def _finish(self, choice: _Choice, reason: str, now: float, stop_token: int | None = None) -> None:
+        choice.finished_time = now
+        output = choice.output
+        # An aborted or failed choice sends its tokens but no more text.
+        token_ids, text, logprobs = output.final_delta(aborted=reason in ("abort", "error"))
+        stop_reason = output.stop_string if output.stop_string is not None else stop_token
         if self.metrics is not None:
-            self.metrics.observe_finished(request, reason)
-        self._deliver(choice, delta)
+            self.metrics.observe_finished(choice, reason)
+        choice.submission.deliver(Delta(choice.index, token_ids, text, logprobs, reason,
+                                        choice.num_prompt_tokens, choice.num_cached_tokens, stop_reason))
 
-    def _deliver(self, choice: _Choice, delta: Delta) -> None:
-        choice.submission.loop.call_soon_threadsafe(choice.submission.deliver, delta)
+    # -- failures ------------------------------------------------------------------------------
+    def _fail_submission(self, sub: Submission, error: Exception) -> None:
+        open_ids = [c.request_id for c in sub.choices if self._choices.pop(c.request_id, None)]
+        self._queue(aborts=open_ids)
+        sub.deliver(error)
 
-    def _publish_snapshot(self) -> None:
-        if self.metrics is not None:
-            self.metrics.update(self.engine.get_metrics())
+    def _on_core_exit(self, reason: str) -> None:
+        """The core is gone: every submission fails, nothing waits for it."""
+        if self.error is None:
+            logger.error("engine core stopped: %s", reason)
+            self.error = reason
+        for sub in list(self._pending.values()):
+            self.num_in_flight -= sub.job.num_choices
+            sub.resolve(EngineDeadError(503, f"the engine is not running: {reason}"))
+        self._pending.clear()
+        failed = {id(c.submission): c.submission for c in self._choices.values()}
+        self._choices.clear()
+        for sub in failed.values():
+            sub.deliver(EngineDeadError(500, f"the engine failed while running this request: {reason}"))
 
 
 def _child_params(params: dict[str, Any], i: int) -> dict[str, Any]:
@@ -336,11 +375,9 @@ def _child_params(params: dict[str, Any], i: int) -> dict[str, Any]:
     return {**params, "seed": params["seed"] + i}
 
 
-def _new_logprobs(choice: _Choice) -> list[dict[int, float]] | None:
-    request = choice.request
-    if request.sampling_params.logprobs is None:
-        return None
-    return request.logprobs[choice.num_sent_tokens:]
+def _core_params(params: SamplingParams) -> tuple[bytes, str | None]:
+    """The core's copy of the params, packed: stop strings stay here (the core has no text)."""
+    return pack_sampling_params(replace(params, stop=None) if params.stop_strings else params)
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]]) -> list[int]:

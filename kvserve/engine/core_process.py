@@ -1,0 +1,274 @@
+"""The engine core: the loop that owns an LLMEngine, takes batched inputs and
+answers with one message per step. It runs in its own process for
+`kvserve serve` (`run_core_process`, started with multiprocessing 'spawn' so
+CUDA is never forked) or on a thread of the API process (`ThreadTransport`,
+for an engine built in-process).
+
+The core never sees text: requests arrive as token ids, and stop strings are
+left to the API side (which aborts a request once its text hits one). Adding a
+job validates every request with `LLMEngine.make_request` first and answers
+accept or reject at once, before the next step, so the API side can return a
+400 from `submit`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from kvserve.engine.core_protocol import (
+    Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, Rejection, unpack_sampling_params)
+
+logger = logging.getLogger(__name__)
+
+# A metrics snapshot rides along with step outputs at most this often (and
+# once whenever the core goes idle), so get_metrics never runs per step.
+METRICS_INTERVAL_S = 0.1
+# How long an idle core waits for input before checking that its parent lives.
+IDLE_POLL_S = 1.0
+
+
+@dataclass
+class CoreInfo:
+    """What the API side needs of the engine, sent once when the core is ready."""
+    tokenizer: Any
+    scheduler_config: Any
+    model_config: Any
+    eos_token_ids: frozenset[int]
+    cache_info: dict[str, str]
+
+    @classmethod
+    def of(cls, engine) -> "CoreInfo":
+        from kvserve.server.metrics import cache_info
+        return cls(engine.tokenizer, engine.scheduler_config, engine.model_config, engine.eos_token_ids,
+                   cache_info(engine))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids, as LLMEngine.encode_prompt makes them
+        (with the tokenizer's special tokens, as vLLM does)."""
+        if not text:
+            raise ValueError("prompt must not be empty")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send the prompt as a list of token ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+
+class Transport(Protocol):
+    def recv(self, timeout_s: float | None) -> list[CoreInputs]:
+        """Every input waiting; waits up to timeout_s (None: forever, 0: not at all) for the first."""
+
+    def send(self, outputs: CoreOutputs) -> None: ...
+
+
+class EngineCore:
+    """Applies inputs, steps the engine, and reports what changed."""
+
+    def __init__(self, engine, transport: Transport) -> None:
+        self.engine = engine
+        self.transport = transport
+        self._num_sent: dict[str, int] = {}   # request id -> output tokens already reported
+        self._last_metrics = 0.0
+        self._idle_reported = False
+        self._grammar_tokenizer = None   # xgrammar.TokenizerInfo, built at the first grammar
+
+    def serve(self, idle_check: Callable[[], bool] = lambda: True) -> None:
+        """Run until a shutdown input arrives or `idle_check` says stop. An
+        exception is reported to the API side, then re-raised."""
+        try:
+            while self._iterate(idle_check):
+                pass
+        except BaseException as e:
+            logger.exception("engine core failed")
+            self.transport.send(CoreOutputs(error=f"{type(e).__name__}: {e}"))
+            raise
+
+    def _iterate(self, idle_check: Callable[[], bool]) -> bool:
+        busy = self.engine.has_unfinished_requests()
+        if not busy:
+            self._report_idle()
+        inputs = self.transport.recv(0 if busy else IDLE_POLL_S)
+        if not inputs and not busy:
+            return idle_check()
+        replies = CoreOutputs()
+        for message in inputs:
+            if message.shutdown:
+                return False
+            self._apply(message, replies)
+        if replies.accepted or replies.rejected:
+            self.transport.send(replies)   # before the step: submit waits on it
+        if self.engine.has_unfinished_requests():
+            self._step()
+        return True
+
+    # -- inputs --------------------------------------------------------------------
+    def _apply(self, message: CoreInputs, replies: CoreOutputs) -> None:
+        for job in message.adds:
+            self._add(job, replies)
+        for request_id in message.aborts:
+            self._num_sent.pop(request_id, None)
+            self.engine.abort_request(request_id)
+        self._idle_reported = False
+
+    def _add(self, job: CoreJob, replies: CoreOutputs) -> None:
+        try:
+            requests = []
+            for r in job.requests:
+                params = unpack_sampling_params(r.sampling_params, r.grammar_json, self._load_grammar)
+                request = self.engine.make_request(r.prompt_token_ids, params, r.request_id)
+                request.arrival_time = r.arrival_time
+                requests.append(request)
+        except ValueError as e:
+            replies.rejected.append(Rejection(job.job_id, str(e), invalid=True))
+            return
+        except Exception as e:  # still this job's fault, not the engine's
+            replies.rejected.append(Rejection(job.job_id, f"{type(e).__name__}: {e}", invalid=False))
+            return
+        for request in requests:
+            self.engine.add_request(request)
+            self._num_sent[request.request_id] = 0
+        replies.accepted.append(job.job_id)
+
+    def _load_grammar(self, grammar_json: str) -> Any:
+        """A compiled grammar from its JSON, against this engine's tokenizer
+        (the same TokenizerInfo the API side compiled it with)."""
+        import xgrammar
+        if self._grammar_tokenizer is None:
+            engine = self.engine
+            self._grammar_tokenizer = xgrammar.TokenizerInfo.from_huggingface(
+                engine.tokenizer, vocab_size=engine.model_config.vocab_size,
+                stop_token_ids=sorted(engine.eos_token_ids))
+        return xgrammar.CompiledGrammar.deserialize_json(grammar_json, self._grammar_tokenizer)
+
+    # -- outputs -------------------------------------------------------------------
+    def _step(self) -> None:
+        touched = self.engine.step()
+        outputs = [out for out in map(self._output, touched) if out is not None]
+        now = time.monotonic()
+        metrics = None
+        if now - self._last_metrics >= METRICS_INTERVAL_S:
+            metrics, self._last_metrics = self.engine.get_metrics(), now
+        if outputs or metrics is not None:
+            self.transport.send(CoreOutputs(outputs=outputs, metrics=metrics))
+
+    def _output(self, request) -> CoreOutput | None:
+        sent = self._num_sent.get(request.request_id)
+        if sent is None:   # aborted by the API side meanwhile
+            return None
+        ids = request.output_token_ids
+        logprobs = request.logprobs[sent:] if request.sampling_params.logprobs is not None else None
+        out = CoreOutput(request.request_id, ids[sent:], logprobs,
+                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                         scheduled_time=request.first_scheduled_time if sent == 0 else None)
+        if request.is_finished:
+            out.finish_reason = request.status.value
+            out.stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None
+            del self._num_sent[request.request_id]
+        else:
+            self._num_sent[request.request_id] = len(ids)
+        return out
+
+    def _report_idle(self) -> None:
+        """A final snapshot when work stops: /metrics must show an idle engine as idle."""
+        if not self._idle_reported:
+            self._idle_reported = True
+            self._last_metrics = time.monotonic()
+            self.transport.send(CoreOutputs(metrics=self.engine.get_metrics()))
+
+
+# -- the core on a thread of the API process ---------------------------------------
+class ThreadTransport:
+    """Queues between the API event loop and an engine thread (no encoding)."""
+
+    def __init__(self, deliver: Callable[[CoreOutputs], None]) -> None:
+        self.inputs: queue.SimpleQueue[CoreInputs] = queue.SimpleQueue()
+        self._deliver = deliver
+
+    def recv(self, timeout_s: float | None) -> list[CoreInputs]:
+        try:
+            first = self.inputs.get(timeout=timeout_s) if timeout_s else self.inputs.get_nowait()
+        except queue.Empty:
+            return []
+        items = [first]
+        while True:
+            try:
+                items.append(self.inputs.get_nowait())
+            except queue.Empty:
+                return items
+
+    def send(self, outputs: CoreOutputs) -> None:
+        self._deliver(outputs)
+
+
+# -- the core in its own process -----------------------------------------------------
+class ZmqTransport:
+    """The core's end of the two sockets: PULL inputs, PUSH outputs."""
+
+    def __init__(self, input_address: str, output_address: str) -> None:
+        import zmq
+        self._zmq = zmq
+        self._context = zmq.Context(io_threads=1)
+        self._inputs = self._context.socket(zmq.PULL)
+        self._inputs.connect(input_address)
+        self._outputs = self._context.socket(zmq.PUSH)
+        self._outputs.setsockopt(zmq.SNDHWM, 0)   # never drop or block on a slow reader
+        self._outputs.setsockopt(zmq.LINGER, 0)
+        self._outputs.connect(output_address)
+        self._in_codec, self._out_codec = Codec(CoreInputs), Codec(CoreOutputs)
+
+    def recv(self, timeout_s: float | None) -> list[CoreInputs]:
+        timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        if timeout_ms != 0 and not self._inputs.poll(timeout_ms):
+            return []
+        items = []
+        while True:
+            try:
+                frame = self._inputs.recv(self._zmq.NOBLOCK, copy=False)
+            except self._zmq.Again:
+                return items
+            items.append(self._in_codec.decode(frame.buffer))
+
+    def send(self, outputs: CoreOutputs) -> None:
+        self._outputs.send(self._out_codec.encode(outputs), copy=False)
+
+    def close(self) -> None:
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+
+
+def run_core_process(args, input_address: str, output_address: str, ready, log_level: int,
+                     engine_hook: Callable[[Any], None] | None = None) -> None:
+    """Entry point of the core process: build the engine from `args`, send
+    CoreInfo (or the start-up error) through `ready`, then serve until told to
+    stop or until the parent process is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the API server, which stops us
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
+    transport = ZmqTransport(input_address, output_address)
+    try:
+        engine = _build_engine(args, ready, engine_hook)
+        if engine is None:
+            return
+        parent = os.getppid()
+        EngineCore(engine, transport).serve(idle_check=lambda: os.getppid() == parent)
+    finally:
+        transport.close()
+
+
+def _build_engine(args, ready, engine_hook):
+    from kvserve.engine.llm_engine import LLMEngine
+    try:
+        engine = LLMEngine(args)
+        if engine_hook is not None:
+            engine_hook(engine)
+        ready.send(("ready", CoreInfo.of(engine)))
+        return engine
+    except Exception as e:
+        ready.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return None
+    finally:
+        ready.close()
