@@ -5,6 +5,7 @@ nothing about blocks (the KV cache manager does) or kernels (the backend does).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -16,6 +17,13 @@ from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.runner.model_runner import InFlightStep, StepResult
+from kvserve.runner.sampler import RequestFailed
+
+logger = logging.getLogger(__name__)
+
+# Steps in a row that may fail without a culprit before the engine gives up
+# (the error is then raised to the caller: the engine cannot serve).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class LLMEngine:
@@ -33,6 +41,7 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self._num_failed_steps = 0
         self.recorder = RequestRecorder(self.kv_cache.block_size)  # reuse + timelines for diagnose
 
     # -- intake --------------------------------------------------------------
@@ -44,6 +53,8 @@ class LLMEngine:
         """Tokenize and validate; raises ValueError naming the limit. Does not enqueue."""
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if params.structured is not None:
+            params.structured.bind(self._grammar_tokenizer_info())
         return Request(request_id=request_id or self.new_request_id(), prompt_token_ids=token_ids,
                        sampling_params=params, prompt=text, eos_token_ids=self.eos_token_ids)
 
@@ -51,6 +62,7 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.runner.sampler.track(request)
         self.recorder.on_arrival(request)
         self.scheduler.add_request(request)
 
@@ -60,13 +72,29 @@ class LLMEngine:
             self._forget(request)
             self._start_write_backs()
 
+    def _grammar_tokenizer_info(self):
+        """xgrammar's tokenizer info, built on the first structured request."""
+        if getattr(self, "_tokenizer_info", None) is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a model with a tokenizer")
+            from kvserve.structured.grammar import tokenizer_info
+            self._tokenizer_info = tokenizer_info(self.tokenizer, self.model_config.vocab_size,
+                                                  self.eos_token_ids)
+        return self._tokenizer_info
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a text prompt as vLLM makes them: with the tokenizer's
+        special tokens (a BOS where the tokenizer adds one). Chat prompts come
+        from the chat template, which writes its own BOS, as token ids."""
+        if not text:
+            raise ValueError("prompt must not be empty")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return prompt, self.encode_prompt(prompt)
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -77,6 +105,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         max_len = self.scheduler_config.max_model_len
         total = len(token_ids) + params.max_tokens
         if len(token_ids) >= max_len or total > max_len:
@@ -109,7 +141,11 @@ class LLMEngine:
             return touched
         start = time.monotonic()
         block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
-        launched = self.runner.launch(out, block_ids, self._in_flight)
+        try:
+            launched = self.runner.launch(out, block_ids, self._in_flight)
+        except Exception as e:  # nothing advanced: the survivors are scheduled again next step
+            return self._on_step_error(e, [s.request for s in out.scheduled])
+        self._num_failed_steps = 0
         self.scheduler.update_after_step(out)
         for item in launched.rows:
             item.request.num_pending_tokens += 1
@@ -127,7 +163,39 @@ class LLMEngine:
     def _finish_in_flight(self, launched: InFlightStep | None) -> list[Request]:
         """Resolve the step in flight (if any) and make `launched` the new one."""
         previous, self._in_flight = self._in_flight, launched
-        return self._process(previous.resolve()) if previous is not None else []
+        if previous is None:
+            return []
+        try:
+            result = previous.resolve()
+        except Exception as e:  # its sampled tokens are lost: its rows cannot go on
+            return self._on_step_error(e, [s.request for s in previous.rows])
+        return self._process(result)
+
+    # -- fault isolation -----------------------------------------------------------
+    def _on_step_error(self, error: Exception, involved: list[Request]) -> list[Request]:
+        """Fail the requests an error belongs to, and only those; the engine goes on.
+
+        A `RequestFailed` names its requests. Any other error fails every request
+        of the step; after MAX_CONSECUTIVE_STEP_FAILURES such steps in a row the
+        engine cannot serve, and the error is raised."""
+        if isinstance(error, RequestFailed):
+            culprits = [r for r in involved if r.request_id in set(error.request_ids)]
+        else:
+            self._num_failed_steps += 1
+            if self._num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise error
+            culprits = involved
+        logger.error("failing %d request(s) after an error in the engine step: %s",
+                     len(culprits), error, exc_info=error)
+        return [r for r in culprits if self.fail_request(r)]
+
+    def fail_request(self, request: Request) -> bool:
+        """Finish `request` with status "error" and free its KV; False if it had finished."""
+        if request.is_finished or self.scheduler.abort_request(request.request_id) is None:
+            return False
+        request.status = RequestStatus.FINISHED_ERROR
+        self._forget(request)
+        return True
 
     def _observe_rates(self) -> None:
         """Feed measured prefill and copy rates to the swap-or-recompute choice."""
@@ -144,8 +212,14 @@ class LLMEngine:
             if request.is_finished:  # stopped or aborted while this step was in flight
                 continue
             request.num_pending_tokens -= 1
-            self._append_token(request, result, i, now)
-            status = self._check_stop(request)
+            try:
+                self._append_token(request, result, i, now)
+                status = self._check_stop(request)
+            except Exception as e:  # e.g. detokenizing: this request's error alone
+                logger.error("request %s failed: %s", request.request_id, e, exc_info=e)
+                if self.fail_request(request):
+                    touched.append(request)
+                continue
             if status is not None:
                 self.scheduler.remove_finished(request, status)
                 self.stats.record_finished(request)

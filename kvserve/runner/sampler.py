@@ -1,5 +1,14 @@
 """Token sampling on the logits' device: greedy, temperature, top-k, top-p,
-min-p, per-request seeds, and logprobs. One host transfer of ids per step."""
+min-p, per-request seeds, logprobs, and the logits processors (logit_bias,
+min_tokens, presence / frequency / repetition penalties, grammar masks).
+
+Everything that touches the vocabulary is one batched tensor op over the rows
+that need it; Python loops run over rows only. Per-request state (seeded
+generator, penalty counts slot, bias tensors, grammar matcher) is built on a
+request's first sample, one row at a time: a row whose state cannot be built
+raises `RequestFailed` naming it, so the engine fails that request alone.
+One host transfer of ids per step.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +17,16 @@ import torch
 
 from kvserve.runner.batch import upload
 from kvserve.sampling_params import SamplingParams
+
+UINT64_MASK = 2 ** 64 - 1
+
+
+class RequestFailed(Exception):
+    """Sampling state for these requests could not be built; the others are fine."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"requests {request_ids} failed: {type(cause).__name__}: {cause}")
+        self.request_ids, self.cause = request_ids, cause
 
 
 @dataclass
@@ -19,31 +38,55 @@ class SamplerOutput:
     sampled_logprobs: list[float | None]
 
 
+class _RowState:
+    """What one request's rows need across steps."""
+
+    def __init__(self) -> None:
+        self.generator: torch.Generator | None = None
+        self.slot: int | None = None            # row of the penalty buffers
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+        self.min_tokens_ban: torch.Tensor | None = None   # eos + stop ids, banned before min_tokens
+        self.grammar = None                     # kvserve.structured.GrammarMatcher
+        self.num_sampled = 0
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # Seeded requests own a generator so their samples do not depend on
-        # what else shares the batch.
-        self._request_generators: dict[str, torch.Generator] = {}
+        self._states: dict[str, _RowState] = {}
+        # Requests the engine registered (prompt ids, eos ids for penalties / min_tokens).
+        self._requests: dict[str, object] = {}
+        self.penalties = PenaltyBuffers(device)
+
+    def track(self, request) -> None:
+        """Remember a request's prompt and eos ids (the engine calls this on intake)."""
+        self._requests[request.request_id] = request
 
     def forget(self, request_id: str) -> None:
-        self._request_generators.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        state = self._states.pop(request_id, None)
+        if state is not None and state.slot is not None:
+            self.penalties.release(state.slot)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                request_ids: list[str]) -> "PendingSample":
         """Launch sampling; the ids stay on the device (`token_ids`) for the next
         step, and one packed copy heads to the host behind an event."""
+        states = self._states_for(params, request_ids)
+        processed = self._process(logits, params, states)
         if all(p.is_greedy for p in params):
-            ids = logits.argmax(dim=-1)  # argmax is exact in any float type: no upcast
+            ids = processed.argmax(dim=-1)  # argmax is exact in any float type: no upcast
         else:
-            ids = self._sample_mixed(logits.float(), params, request_ids)
+            ids = self._sample_mixed(processed.float(), params, states)
+        self._after_sample(ids, params, states)
         if all(p.logprobs is None for p in params):
             # Like vLLM, logprobs (cumulative ones too) cost nothing unless asked
             # for: no full-vocabulary log-softmax on the hot path.
             return PendingSample(ids, _to_host_async(ids), params, None)
-        logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+        logprobs_all = torch.log_softmax(logits.float(), dim=-1)  # raw logits, as vLLM's default
         want = max((p.logprobs or 0) for p in params)
         columns = [ids.unsqueeze(1).double(), logprobs_all.gather(1, ids.unsqueeze(1)).double()]
         if want:
@@ -52,30 +95,92 @@ class Sampler:
         # Token ids are exact in float64, so one tensor carries everything.
         return PendingSample(ids, _to_host_async(torch.cat(columns, dim=1)), params, want)
 
+    # -- per-request state -------------------------------------------------------
+    def _states_for(self, params: list[SamplingParams], request_ids: list[str]) -> list[_RowState]:
+        states, failed, cause = [], [], None
+        for p, rid in zip(params, request_ids):
+            state = self._states.get(rid)
+            if state is None:
+                try:
+                    state = self._new_state(p, rid)
+                except Exception as e:  # this request's fault: fail it alone
+                    failed.append(rid)
+                    cause = e
+                    continue
+                self._states[rid] = state
+            states.append(state)
+        if failed:
+            raise RequestFailed(failed, cause)
+        return states
+
+    def _new_state(self, params: SamplingParams, request_id: str) -> _RowState:
+        state, request = _RowState(), self._requests.get(request_id)
+        if params.seed is not None:
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed(params.seed & UINT64_MASK)
+        if params.has_penalties:
+            prompt = getattr(request, "prompt_token_ids", [])
+            output = getattr(request, "output_token_ids", [])
+            state.slot = self.penalties.acquire(prompt, output)
+        if params.logit_bias:
+            state.bias_ids = upload(torch.tensor(list(params.logit_bias), dtype=torch.long), self.device)
+            state.bias_values = upload(torch.tensor(list(params.logit_bias.values()),
+                                                    dtype=torch.float32), self.device)
+        if params.min_tokens > 0:
+            banned = set(getattr(request, "eos_token_ids", ())) | set(params.stop_token_ids or ())
+            state.min_tokens_ban = upload(torch.tensor(sorted(banned), dtype=torch.long), self.device)
+        if params.structured is not None:
+            state.grammar = params.structured.new_matcher()
+        state.num_sampled = len(getattr(request, "output_token_ids", []))
+        return state
+
+    # -- logits processors ----------------------------------------------------------
+    def _process(self, logits: torch.Tensor, params: list[SamplingParams],
+                 states: list[_RowState]) -> torch.Tensor:
+        """Logits after bias, min_tokens, grammar and penalties (a copy; the raw
+        logits stay for logprobs). Untouched when no row asks for any."""
+        if not any(p.needs_logits_processing for p in params):
+            return logits
+        x = logits.to(torch.float32, copy=True)
+        _add_at(x, [(i, s.bias_ids, s.bias_values) for i, s in enumerate(states) if s.bias_ids is not None])
+        banned = [(i, s.min_tokens_ban, None) for i, (p, s) in enumerate(zip(params, states))
+                  if s.min_tokens_ban is not None and s.num_sampled < p.min_tokens]
+        _add_at(x, banned, fill=float("-inf"))
+        grammar_rows = [(i, s.grammar) for i, s in enumerate(states) if s.grammar is not None]
+        if grammar_rows:
+            from kvserve.structured.grammar import apply_masks
+            apply_masks(x, grammar_rows)
+        penalized = [(i, p, s.slot) for i, (p, s) in enumerate(zip(params, states)) if s.slot is not None]
+        if penalized:
+            self.penalties.apply(x, penalized)
+        return x
+
+    def _after_sample(self, ids: torch.Tensor, params: list[SamplingParams],
+                      states: list[_RowState]) -> None:
+        rows = [(i, s.slot) for i, s in enumerate(states) if s.slot is not None]
+        if rows:
+            self.penalties.count(ids, rows)
+        for i, state in enumerate(states):
+            state.num_sampled += 1
+            if state.grammar is not None:
+                state.grammar.sampled(ids, i)
+
     def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
-                      request_ids: list[str]) -> torch.Tensor:
+                      states: list[_RowState]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         temps = upload(torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params]),
                        logits.device).unsqueeze(1)
         probs = torch.softmax(_filter_logits(logits / temps, params), dim=-1)
-        ids = torch.empty_like(greedy)
-        for i, (p, rid) in enumerate(zip(params, request_ids)):
-            if p.is_greedy:
-                ids[i] = greedy[i]
-            else:
-                ids[i] = torch.multinomial(probs[i], 1, generator=self._generator_for(p, rid))[0]
-        return ids
-
-    def _generator_for(self, params: SamplingParams, request_id: str) -> torch.Generator:
-        if params.seed is None:
-            return self.generator
-        gen = self._request_generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-            self._request_generators[request_id] = gen
-        return gen
-
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p. Seeded rows
+        # redraw their noise from their own generator, so their samples do not
+        # depend on what else shares the batch.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, state in enumerate(states):
+            if state.generator is not None and not params[i].is_greedy:
+                noise[i].exponential_(generator=state.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = upload(torch.tensor([p.is_greedy for p in params]), logits.device)
+        return torch.where(is_greedy, greedy, sampled)
 
 
 class PendingSample:
@@ -125,7 +230,8 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """Apply top-k, top-p and min-p per row (rows not asking are untouched)."""
     neg_inf = torch.finfo(logits.dtype).min
     vocab = logits.shape[-1]
-    top_k = upload(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), logits.device)
+    top_k = upload(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]),
+                   logits.device)
     top_p = upload(torch.tensor([p.top_p for p in params]), logits.device)
     min_p = upload(torch.tensor([p.min_p for p in params]), logits.device)
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
@@ -139,3 +245,89 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _add_at(x: torch.Tensor, rows: list[tuple[int, torch.Tensor, torch.Tensor | None]],
+            fill: float | None = None) -> None:
+    """x[row, ids] += values (or = fill) for every (row, ids, values), in one op."""
+    if not rows:
+        return
+    row_idx = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, ids, _ in rows])
+    row_idx = upload(row_idx, x.device)
+    ids = torch.cat([ids for _, ids, _ in rows])
+    if fill is not None:
+        x.index_put_((row_idx, ids), torch.tensor(fill, device=x.device))
+    else:
+        x.index_put_((row_idx, ids), torch.cat([v for _, _, v in rows]), accumulate=True)
+
+
+class PenaltyBuffers:
+    """Output-token counts and prompt-token masks of penalized requests, one
+    row (slot) each, on the device: counts are updated from the sampled ids on
+    the device, so a token still in flight (pipelined steps) is counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.counts: torch.Tensor | None = None       # [capacity, vocab] int32
+        self.prompt_mask: torch.Tensor | None = None  # [capacity, vocab] bool
+        self.capacity = 0
+        self._free: list[int] = []
+        self._fresh: list[tuple[int, list[int], list[int]]] = []  # slots to reset
+
+    def acquire(self, prompt: list[int], output: list[int]) -> int:
+        if not self._free:
+            grown = max(8, 2 * self.capacity)
+            self._free = list(range(grown - 1, self.capacity - 1, -1))
+            self.capacity = grown
+        slot = self._free.pop()
+        self._fresh.append((slot, list(prompt), list(output)))
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def apply(self, x: torch.Tensor, rows: list[tuple[int, SamplingParams, int]]) -> None:
+        """vLLM's penalties: repetition divides positive / multiplies negative
+        logits of prompt-or-output tokens; frequency and presence subtract from
+        output tokens by count / once."""
+        self._materialize(x.shape[1])
+        idx = upload(torch.tensor([i for i, _, _ in rows], dtype=torch.long), x.device)
+        slots = upload(torch.tensor([s for _, _, s in rows], dtype=torch.long), x.device)
+        values = upload(torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+                                      for _, p, _ in rows], dtype=torch.float32), x.device)
+        rep, freq, pres = (values[:, k:k + 1] for k in range(3))
+        counts = self.counts[slots].float()
+        seen = (counts > 0) | self.prompt_mask[slots]
+        sub = x[idx]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        x[idx] = sub - freq * counts - pres * (counts > 0).float()
+
+    def count(self, ids: torch.Tensor, rows: list[tuple[int, int]]) -> None:
+        """Add this step's sampled ids to their rows' counts (on the device)."""
+        idx = upload(torch.tensor([i for i, _ in rows], dtype=torch.long), ids.device)
+        slots = upload(torch.tensor([s for _, s in rows], dtype=torch.long), ids.device)
+        ones = torch.ones(len(rows), dtype=torch.int32, device=ids.device)
+        self.counts.index_put_((slots, ids[idx]), ones, accumulate=True)
+
+    def _materialize(self, vocab: int) -> None:
+        """Allocate or grow the buffers, then reset the slots acquired since."""
+        have = 0 if self.counts is None else self.counts.shape[0]
+        if have < self.capacity:
+            counts = torch.zeros(self.capacity, vocab, dtype=torch.int32, device=self.device)
+            mask = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=self.device)
+            if have:
+                counts[:have], mask[:have] = self.counts, self.prompt_mask
+            self.counts, self.prompt_mask = counts, mask
+        for slot, prompt, output in self._fresh:
+            self.counts[slot].zero_()
+            self.prompt_mask[slot].zero_()
+            if prompt:
+                self.prompt_mask[slot, _ids_on(prompt, self.device)] = True
+            if output:
+                ids = _ids_on(output, self.device)
+                self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self._fresh.clear()
+
+
+def _ids_on(ids: list[int], device: torch.device) -> torch.Tensor:
+    return upload(torch.tensor(ids, dtype=torch.long), device)

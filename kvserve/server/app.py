@@ -1,25 +1,45 @@
-"""The FastAPI application: routes, OpenAI-style error bodies, lifecycle.
+"""The FastAPI application: routes, OpenAI-style error bodies, auth, CORS,
+request ids, lifecycle, and a published OpenAPI schema that says what the
+server does (400/401/404/500/503 with the error body; no 422; /health and
+/metrics as text).
 
 `build_app` takes a constructed LLMEngine; the AsyncEngine's thread starts
 and stops with the app (lifespan), so tests and the CLI share one path.
 """
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import time
+import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.diagnose.endpoint import add_debug_routes
 from kvserve.server.async_engine import AsyncEngine
-from kvserve.server.metrics import ServerMetrics, cache_info
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     FieldError, TokenizeRequest)
 from kvserve.server.serving import GenerationHandler
 
+logger = logging.getLogger(__name__)
 EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """HTTP-side options (the engine's are in EngineArgs)."""
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    generation_defaults: tuple[tuple[str, Any], ...] = ()
+    enable_vllm_metrics: bool = False
 
 
 def default_model_name(model: str | None) -> str:
@@ -28,10 +48,15 @@ def default_model_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model)) or model
 
 
-def build_app(engine, served_model_name: str, max_waiting_requests: int = 256) -> FastAPI:
-    metrics = ServerMetrics(cache_info(engine), served_model_name)
-    async_engine = AsyncEngine(engine, metrics, max_waiting_requests)
-    handler = GenerationHandler(async_engine, served_model_name)
+def build_app(engine, served_model_name: str, max_waiting_requests: int | None = None,
+              options: ServerOptions | None = None, engine_hook=None) -> FastAPI:
+    """`engine`: EngineArgs (the core runs in its own process) or a built LLMEngine
+    (the core runs on a thread). `engine_hook(engine)` runs in the core once built."""
+    options = options or ServerOptions()
+    async_engine = AsyncEngine(engine, None, max_waiting_requests, engine_hook)
+    metrics = ServerMetrics(async_engine.cache_info, served_model_name, options.enable_vllm_metrics)
+    async_engine.metrics = metrics
+    handler = GenerationHandler(async_engine, served_model_name, dict(options.generation_defaults))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -39,40 +64,110 @@ def build_app(engine, served_model_name: str, max_waiting_requests: int = 256) -
         yield
         async_engine.shutdown()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan)
     app.state.async_engine, app.state.metrics = async_engine, metrics
     _add_error_handlers(app)
     _add_routes(app, handler, metrics, served_model_name)
+    add_debug_routes(app, metrics, async_engine)  # GET /debug/kvserve (kvserve diagnose --url)
+    _add_middleware(app, options)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+# -- routes ------------------------------------------------------------------------------
+ERROR_BODY = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+_ERRORS = {400: "Invalid request (the error's `param` names the field)", 401: "Missing or wrong API key",
+           404: "Unknown model or path", 500: "The engine failed while running this request",
+           503: "Overloaded: retry after Retry-After seconds"}
+
+
+def _responses(*codes: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    out: dict[int | str, dict[str, Any]] = {c: {"description": _ERRORS[c], "content": ERROR_BODY} for c in codes}
+    if stream:
+        out[200] = {"description": "A response object, or server-sent events when stream is true",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    return out
 
 
 def _add_routes(app: FastAPI, handler: GenerationHandler, metrics: ServerMetrics, name: str) -> None:
     created = int(time.time())
+    generate = _responses(400, 401, 404, 500, 503, stream=True)
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse,
+             responses={200: {"description": "The engine can serve", "content": {"text/plain": {}}},
+                        503: {"description": "The engine cannot serve", "content": {"text/plain": {}}}})
     async def health() -> Response:
         ok = handler.engine.is_healthy
-        return Response(status_code=200 if ok else 503)
+        return PlainTextResponse("" if ok else "engine stopped", status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @app.get("/v1/models", responses=_responses(401))
     async def models() -> dict:
         card = {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
                 "max_model_len": handler.engine.engine.scheduler_config.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generate)
     async def completions(body: CompletionRequest, request: Request):
         return await handler.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generate)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await handler.chat(body, request)
 
+    @app.post("/tokenize", responses=_responses(400, 404))
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return handler.tokenize(body)
 
+    @app.post("/detokenize", responses=_responses(400, 404))
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return handler.detokenize(body)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+# -- middleware: request ids, API key, CORS ------------------------------------------------
+def _add_middleware(app: FastAPI, options: ServerOptions) -> None:
+    @app.middleware("http")
+    async def request_id_and_auth(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if options.api_key is not None and request.url.path.startswith("/v1") \
+                and request.method != "OPTIONS" and not _authorized(request, options.api_key):
+            response: Response = JSONResponse(APIError(
+                401, "Incorrect API key provided: send it as `Authorization: Bearer <key>`.",
+                code="invalid_api_key").body(), status_code=401)
+        else:
+            response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    if options.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), api_key)
+
+
+# -- errors ------------------------------------------------------------------------------
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -81,12 +176,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400, not FastAPI's 422, and names the offending field.
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
-        param = loc[0] if loc else None
-        message = first.get("msg", "invalid request")
-        if param:
-            message = f"{'.'.join(loc)}: {message}"
+        param, message = validation_message(e.errors())
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -94,3 +184,50 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}",
+                                     type="internal_server_error").body(), status_code=500)
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(param, message) of pydantic's first error, without its "Value error, " prefix."""
+    first = errors[0] if errors else {}
+    cause = (first.get("ctx") or {}).get("error")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
+    if isinstance(cause, FieldError):
+        return cause.param, str(cause)
+    param = loc[0] if loc else None
+    if first.get("type") == "none_required" and param:
+        return param, f"{param} is not supported by this server (only null is accepted)"
+    if first.get("type") == "extra_forbidden" and param:
+        return param, f"unknown field `{'.'.join(loc)}`: this server does not accept it"
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        return None, f"the body is not valid JSON: {message}"
+    return param, f"{'.'.join(loc)}: {message}" if param else message
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, corrected to what the server answers: validation errors
+    are 400 with the OpenAI error body, never 422."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    components["ErrorResponse"] = {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
+                                 "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                                "param": {"type": ["string", "null"]},
+                                                "code": {"type": ["string", "null"]}}}}}
+    app.openapi_schema = schema
+    return schema

@@ -58,10 +58,25 @@ COUNTERS = {
 }
 
 
+# vLLM's names for the same series (--enable-vllm-metrics), labelled model_name,
+# so dashboards and autoscalers written for vLLM read this server unchanged.
+VLLM_GAUGES = {"kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+               "num_requests_running": "vllm:num_requests_running",
+               "num_requests_waiting": "vllm:num_requests_waiting"}
+VLLM_COUNTERS = {"prefix_cache_queries": "vllm:prefix_cache_queries",
+                 "prefix_cache_hits": "vllm:prefix_cache_hits",
+                 "num_preemptions": "vllm:num_preemptions",
+                 "num_generation_tokens": "vllm:generation_tokens"}
+VLLM_HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                   "request_queue_time_seconds", "request_prefill_time_seconds")
+
+
 class ServerMetrics:
-    def __init__(self, cache_info: dict[str, str], model_name: str) -> None:
+    def __init__(self, cache_info: dict[str, str], model_name: str, vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry()
         self._snapshot: dict[str, Any] = {}
+        self.model_name = model_name
+        self.vllm_names = vllm_names
         self.registry.register(_SnapshotCollector(self))
         info = Info("kvserve:cache_config", "KV cache configuration.", registry=self.registry)
         info.info({"model_name": model_name, **cache_info})
@@ -74,6 +89,7 @@ class ServerMetrics:
         self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = self._histogram("request_prefill_time_seconds", "First scheduled to first token.")
+        self._vllm = _VllmSeries(self.registry, model_name) if vllm_names else None
 
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(f"kvserve:{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -84,24 +100,33 @@ class ServerMetrics:
 
     def count_prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)
+        if self._vllm is not None:
+            self._vllm.prompt_tokens.inc(num_tokens)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+        self._observe("inter_token_latency_seconds", self.itl, seconds)
 
     def observe_finished(self, request, reason: str) -> None:
         self.request_success.labels(finished_reason=reason).inc()
-        if reason == "abort":
+        if self._vllm is not None:
+            self._vllm.success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        if reason in ("abort", "error"):
             return
         arrival, scheduled = request.arrival_time, request.first_scheduled_time
         first, done = request.first_token_time, request.finished_time
         if first is not None:
-            self.ttft.observe(first - arrival)
+            self._observe("time_to_first_token_seconds", self.ttft, first - arrival)
         if done is not None:
-            self.e2e.observe(done - arrival)
+            self._observe("e2e_request_latency_seconds", self.e2e, done - arrival)
         if scheduled is not None:
-            self.queue_time.observe(scheduled - arrival)
+            self._observe("request_queue_time_seconds", self.queue_time, scheduled - arrival)
             if first is not None:
-                self.prefill_time.observe(first - scheduled)
+                self._observe("request_prefill_time_seconds", self.prefill_time, first - scheduled)
+
+    def _observe(self, name: str, histogram: Histogram, seconds: float) -> None:
+        histogram.observe(seconds)
+        if self._vllm is not None:
+            self._vllm.histograms[name].labels(model_name=self.model_name).observe(seconds)
 
     # -- any thread ------------------------------------------------------------------
     @property
@@ -122,6 +147,30 @@ class _SnapshotCollector:
             yield GaugeMetricFamily(name, doc, value=float(snapshot.get(key, 0)))
         for key, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(snapshot.get(key, 0)))
+        if self.metrics.vllm_names:
+            yield from self._vllm_families(snapshot)
+
+    def _vllm_families(self, snapshot: dict[str, Any]) -> Iterator[Any]:
+        label = [self.metrics.model_name]
+        for families, kind in ((VLLM_GAUGES, GaugeMetricFamily), (VLLM_COUNTERS, CounterMetricFamily)):
+            for key, name in families.items():
+                doc = (GAUGES.get(key) or COUNTERS.get(key))[1]
+                family = kind(name, doc, labels=["model_name"])
+                family.add_metric(label, float(snapshot.get(key, 0)))
+                yield family
+
+
+class _VllmSeries:
+    """The vLLM-named counters and histograms observed by the engine thread."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.",
+                                     ["model_name"], registry=registry).labels(model_name=model_name)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=registry)
+        self.histograms = {name: Histogram(f"vllm:{name}", name.replace("_", " "), ["model_name"],
+                                           buckets=LATENCY_BUCKETS, registry=registry)
+                           for name in VLLM_HISTOGRAMS}
 
 
 def cache_info(engine) -> dict[str, str]:

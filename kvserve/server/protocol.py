@@ -1,16 +1,25 @@
-"""OpenAI request schemas (validated by pydantic) and the errors the API returns.
+"""OpenAI / vLLM request schemas (validated by pydantic) and the errors the API returns.
 
-Types are strict: "16" is not a max_tokens. Ranges follow OpenAI's documented
-limits where the engine supports the knob; knobs it does not support are
-rejected when set to anything but their neutral value, never silently ignored.
+Types are strict: "16" is not a max_tokens. Every optional field accepts
+`null` as "the default", as OpenAI's API does. Every numeric field is bounded,
+so a value that passes here cannot make the engine raise. A field the server
+does not implement is typed `null`-only (so the published schema says so) and
+an unknown field is rejected: nothing is silently ignored.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
-Probability = Annotated[float, Field(gt=0.0, le=1.0)]
+INT32_MAX = 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Unsupported = Annotated[None, Field(description="Not supported by this server: only null is accepted.")]
 
 
 class APIError(Exception):
@@ -28,72 +37,188 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: StrictBool = False
+class FieldError(ValueError):
+    """A cross-field check that names the field at fault (becomes `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints."""
-    model_config = ConfigDict(strict=True, extra="ignore")
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
-    model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: Probability | None = None
-    top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: StrictInt = Field(default=1, ge=1, le=64)
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
-    ignore_eos: StrictBool = False
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: StrictStr | None = None
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: Unsupported = None
+
+
+# -- structured output ---------------------------------------------------------------
+class JsonSchemaFormat(_Strict):
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _check_supported(self) -> "_SamplingFields":
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported by this server; leave it at 0")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError(f"stop accepts at most 4 sequences, got {len(self.stop)}")
+    def _check(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise FieldError("response_format", "response_format.json_schema is required when type is json_schema")
         return self
 
-    def sampling_kwargs(self, logprobs: int | None) -> dict[str, Any]:
-        """SamplingParams keyword arguments (max_tokens and n are the job's)."""
-        kwargs: dict[str, Any] = dict(stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                      seed=self.seed, ignore_eos=self.ignore_eos, logprobs=logprobs)
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[NonEmptyStr] | None = Field(default=None, min_length=1)
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
+# -- tools ------------------------------------------------------------------------------
+class FunctionDefinition(_Strict):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+# -- the shared sampling fields ----------------------------------------------------------
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: StrictInt | None = Field(default=None, ge=1, le=64)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: StrictInt | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    ignore_eos: StrictBool | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    user: StrictStr | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[NonEmptyStr] | None = Field(default=None, min_length=1)
+    guided_grammar: StrictStr | None = None
+    skip_special_tokens: Literal[True] | None = None
+    spaces_between_special_tokens: Literal[True] | None = None
+    include_stop_str_in_output: Literal[False] | None = None
+    priority: Literal[0] | None = None
+    prompt_logprobs: Unsupported = None
+    logits_processors: Unsupported = None
+    bad_words: Unsupported = None
+    truncate_prompt_tokens: Unsupported = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise FieldError("logit_bias", f"logit_bias keys must be token ids (digits), got {key!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise FieldError("stop", f"stop accepts at most 4 sequences, got {len(self.stop)}")
+        if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
+            raise FieldError("stop", "stop sequences must not be empty")
+        constraints = [name for name in ("response_format", "structured_outputs", "guided_json",
+                                         "guided_regex", "guided_choice", "guided_grammar")
+                       if getattr(self, name) is not None
+                       and not (name == "response_format" and self.response_format.type == "text")]
+        if len(constraints) > 1:
+            raise FieldError(constraints[1], f"give one output constraint, got {', '.join(constraints)}")
+        return self
+
+    @property
+    def num_choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    def sampling_kwargs(self, logprobs: int | None, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """SamplingParams keyword arguments (max_tokens and n are the job's):
+        the model's generation defaults, then every field the client set."""
+        kwargs = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        kwargs.update(stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
+                      ignore_eos=bool(self.ignore_eos), logprobs=logprobs)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.top_k == 0:
+            kwargs["top_k"] = -1
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         return kwargs
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+
+Prompt = Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
+               Annotated[list[NonEmptyStr], Field(min_length=1)],
+               Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: Prompt
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
-
-    @model_validator(mode="after")
-    def _check_prompt(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        if not self.prompt or any(not p for p in self.prompts()):
-            raise ValueError("prompt must not be empty")
-        return self
+    echo: StrictBool | None = None
+    best_of: Literal[1] | None = None
+    suffix: Unsupported = None
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
@@ -103,30 +228,71 @@ class CompletionRequest(_SamplingFields):
         return list(self.prompt)
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
+    """One turn. Extra keys a client echoes back from a response (refusal,
+    annotations, audio: all null here) are dropped; they carry no instruction."""
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[dict[str, Any]] | None = None
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise ValueError("only text content parts are supported")
-            content = "".join(str(part.get("text", "")) for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = False
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Literal[True] | None = None
+    store: Literal[False] | None = None
+    metadata: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    modalities: Unsupported = None
+    audio: Unsupported = None
+    prediction: Unsupported = None
+    service_tier: Unsupported = None
+    reasoning_effort: Unsupported = None
+    web_search_options: Unsupported = None
+    echo: Unsupported = None
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise FieldError("tool_choice", "tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise FieldError("tool_choice", f"tool_choice names `{self.tool_choice.function.name}`, "
+                                                f"which is not among tools {names}")
         return self
 
     @property
@@ -136,3 +302,32 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+def _json_or_text(arguments: str) -> Any:
+    """Chat templates expect tool-call arguments as an object (they serialize it)."""
+    import json
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments

@@ -1,10 +1,18 @@
 """The two generation endpoints: turn a validated request into a Job, then
 either stream SSE chunks or collect one response. Completions and chat differ
-only in how a prompt is given and how a choice is rendered (`_Format`)."""
+only in how a prompt is given and how a choice is rendered (`_Format`).
+
+Chat prompts (tools and tool-call history included) and grammars are made here,
+with the HTTP side's own tokenizer copy, so the engine thread only runs steps.
+A request that fails inside the engine ends with a 500 JSON body, or, once a
+stream has started, an SSE error event followed by `[DONE]`.
+"""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,18 +21,24 @@ from typing import Any, AsyncIterator
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvserve.server import tools as tool_calls
 from kvserve.server.async_engine import AsyncEngine, Delta, Job, Overloaded, Submission
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+
+logger = logging.getLogger(__name__)
+ENGINE_ERROR = "the engine failed while running this request; other requests are unaffected"
 
 
 @dataclass
 class _Choice:
-    """One choice being assembled for a non-streaming response."""
+    """One choice being assembled."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    sent: str = ""   # content already streamed (tool-call mode holds some back)
 
 
 class _Format:
@@ -33,16 +47,25 @@ class _Format:
     chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer, want_logprobs: bool) -> None:
-        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+    def __init__(self, tokenizer, num_logprobs: int | None, echo: list[str] | None = None, n: int = 1) -> None:
+        self.tokenizer, self.num_logprobs = tokenizer, num_logprobs
+        self.echo, self.n = echo, n
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.num_logprobs is not None
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
 
     def choice(self, index: int, c: _Choice) -> dict[str, Any]:
-        return {"index": index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": self.logprobs(c.token_ids, c.logprobs)}
+        return {"index": index, "text": self._echo(index) + c.text, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, "logprobs": self.logprobs(c.token_ids, c.logprobs)}
 
-    def chunk_choice(self, d: Delta, first: bool) -> dict[str, Any]:
-        return {"index": d.index, "text": d.text, "finish_reason": d.finish_reason,
-                "logprobs": self.logprobs(d.token_ids, d.logprobs or [])}
+    def chunk_choices(self, d: Delta, c: _Choice, first: bool) -> list[dict[str, Any]]:
+        text = (self._echo(d.index) if first else "") + d.text
+        return [{"index": d.index, "text": text, "finish_reason": d.finish_reason,
+                 "stop_reason": d.stop_reason, "logprobs": self.logprobs(d.token_ids, d.logprobs or [])}]
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
@@ -61,21 +84,52 @@ class _ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def choice(self, index: int, c: _Choice) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason, "logprobs": self.logprobs(c.token_ids, c.logprobs)}
+    def __init__(self, tokenizer, num_logprobs: int | None, mode: tool_calls.ToolMode | None = None) -> None:
+        super().__init__(tokenizer, num_logprobs)
+        self.mode = mode
 
-    def chunk_choice(self, d: Delta, first: bool) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-        return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason,
-                "logprobs": self.logprobs(d.token_ids, d.logprobs or [])}
+    def choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if self.mode is not None:
+            content, calls = tool_calls.parse_tool_calls(c.text, self.mode)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"index": index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
+                "logprobs": self.logprobs(c.token_ids, c.logprobs)}
+
+    def chunk_choices(self, d: Delta, c: _Choice, first: bool) -> list[dict[str, Any]]:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        finish = d.finish_reason
+        if self.mode is None:
+            delta["content"] = d.text
+        else:
+            delta, finish = self._tool_delta(delta, d, c)
+        return [{"index": d.index, "delta": delta, "finish_reason": finish, "stop_reason": d.stop_reason,
+                 "logprobs": self.logprobs(d.token_ids, d.logprobs or [])}]
+
+    def _tool_delta(self, delta: dict[str, Any], d: Delta, c: _Choice) -> tuple[dict[str, Any], str | None]:
+        """Stream content up to a possible tool call; the calls go out whole at the end."""
+        if not d.finished:
+            safe = tool_calls.safe_content_prefix(c.text) if self.mode.choice == "auto" else ""
+            delta["content"], c.sent = safe[len(c.sent):], max(safe, c.sent, key=len)
+            return delta, None
+        content, calls = tool_calls.parse_tool_calls(c.text, self.mode)
+        if not calls:
+            delta["content"] = c.text[len(c.sent):]
+            return delta, d.finish_reason
+        delta["content"] = (content or "")[len(c.sent):] or None
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        return delta, "tool_calls"
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         content = []
         for token, entry in zip(token_ids, entries):
-            top = [self._item(k, v) for k, v in entry.items()][1:] if len(entry) > 1 else []
+            # The entry holds the sampled token and the top n; OpenAI lists exactly the top n.
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:self.num_logprobs]
+            top = [self._item(k, v) for k, v in ranked]
             content.append({**self._item(token, entry[token]), "top_logprobs": top})
         return {"content": content}
 
@@ -85,33 +139,129 @@ class _ChatFormat(_Format):
 
 
 class GenerationHandler:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 generation_defaults: dict[str, Any] | None = None) -> None:
         self.engine, self.model_name = engine, model_name
+        self.defaults = dict(generation_defaults or {})
+        # The HTTP side's own copy: a fast tokenizer must not be used by two threads at once.
+        tokenizer = engine.engine.tokenizer
+        self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self._grammars = None
 
+    # -- endpoints ---------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: HTTPRequest):
         self._check_model(body.model)
-        job = Job(body.prompts(), body.sampling_kwargs(body.logprobs), body.max_tokens or 16, body.n)
-        return await self._serve(job, body, _Format(self.engine.engine.tokenizer, body.logprobs is not None), http)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported; "
+                                "send echo or logprobs", param="echo")
+        params = body.sampling_kwargs(body.logprobs, self.defaults)
+        params["structured"] = await self._structured(body, None)
+        prompts = body.prompts()
+        job = Job(prompts, params, body.max_tokens or self.defaults.get("max_tokens") or 16,
+                  body.num_choices_per_prompt)
+        echo = [self._prompt_text(p) for p in prompts] if body.echo else None
+        fmt = _Format(self.tokenizer, body.logprobs, echo, job.n)
+        return await self._serve(job, body, fmt, http)
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest):
         self._check_model(body.model)
-        try:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        use_tools = tools if body.tool_choice != "none" else None
+        mode = _tool_mode(body) if use_tools else None
+        prompt = self._render_chat(body, use_tools)
+        params = body.sampling_kwargs(body.num_logprobs, self.defaults)
+        params["structured"] = await self._structured(body, mode and (mode, use_tools))
+        job = Job([prompt], params, body.max_new_tokens or self.defaults.get("max_tokens"),
+                  body.num_choices_per_prompt)
+        return await self._serve(job, body, _ChatFormat(self.tokenizer, body.num_logprobs, mode), http)
+
+    def tokenize(self, body) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt (with special tokens by default) or chat messages."""
+        if body.model is not None:
+            self._check_model(body.model)
+        tok = self._need_tokenizer()
+        if body.messages is not None:
             messages = [m.as_template_message() for m in body.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        job = Job([messages], body.sampling_kwargs(body.num_logprobs), body.max_new_tokens, body.n)
-        return await self._serve(job, body, _ChatFormat(self.engine.engine.tokenizer, body.logprobs), http)
+            try:
+                ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
+                                              is not False, tokenize=True)
+            except Exception as e:
+                raise APIError(400, f"the chat template could not render these messages: {e}",
+                               param="messages") from e
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False))
+        return {"count": len(ids), "max_model_len": self.engine.engine.scheduler_config.max_model_len,
+                "tokens": ids}
+
+    def detokenize(self, body) -> dict[str, Any]:
+        if body.model is not None:
+            self._check_model(body.model)
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self._need_tokenizer().decode(body.tokens)}
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="prompt")
+        return self.tokenizer
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
+    # -- prompts and constraints ---------------------------------------------------------
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
+
+    def _render_chat(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or getattr(tok, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions instead",
+                           param="messages")
+        messages = tool_calls.messages_for_template([m.as_template_message() for m in body.messages],
+                                                    tools, tok.chat_template)
+        try:
+            ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                          **(body.chat_template_kwargs or {}))
+        except Exception as e:  # the template rejected these messages (e.g. role order)
+            raise APIError(400, f"the chat template could not render these messages: {e}",
+                           param="messages") from e
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def _structured(self, body, tools_mode) -> Any:
+        """The compiled constraint of a request, or None (compiled off the event loop)."""
+        found = _constraint(body, tools_mode)
+        if found is None:
+            return None
+        param, kind, value = found
+        try:
+            pool = self._grammar_pool()
+            return await asyncio.to_thread(pool.compile, kind, value)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
+
+    def _grammar_pool(self):
+        if self._grammars is None:
+            from kvserve.structured import GrammarCompilerPool
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer")
+            eng = self.engine.engine
+            self._grammars = GrammarCompilerPool(self.tokenizer, eng.model_config.vocab_size,
+                                                 list(eng.eos_token_ids))
+        return self._grammars
+
+    # -- serving -----------------------------------------------------------------------
     async def _serve(self, job: Job, body, fmt: _Format, http: HTTPRequest):
         sub, prompt_lens = await self._submit(job)
-        meta = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": self.model_name}
-        if body.stream:
+        request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
+        meta = {"id": f"{fmt.id_prefix}-{request_id}", "created": int(time.time()), "model": self.model_name}
+        if body.is_stream:
             return StreamingResponse(self._stream(sub, fmt, meta, prompt_lens, body.include_usage),
                                      media_type="text/event-stream")
         collect = asyncio.ensure_future(self._collect(sub, job))
@@ -124,8 +274,10 @@ class GenerationHandler:
         try:
             return await self.engine.submit(job)
         except Overloaded as e:
-            raise APIError(503, str(e), type="server_overloaded", code="server_overloaded",
+            raise APIError(429, str(e), type="server_overloaded", code="server_overloaded",
                            headers={"Retry-After": "1"}) from e
+        except APIError:   # the engine is not running (503)
+            raise
         except ValueError as e:
             raise _limit_error(str(e)) from e
         except Exception as e:
@@ -134,13 +286,15 @@ class GenerationHandler:
 
     async def _collect(self, sub: Submission, job: Job) -> list[_Choice]:
         choices = [_Choice() for _ in range(job.num_choices)]
-        async for d in self.engine.deltas(sub):
-            c = choices[d.index]
-            c.text += d.text
-            c.token_ids += d.token_ids
-            c.logprobs += d.logprobs or []
-            if d.finished:
-                c.finish_reason, c.num_cached_tokens = d.finish_reason, d.num_cached_tokens
+        try:
+            async for d in self.engine.deltas(sub):
+                _check_failed(d)
+                _absorb(choices[d.index], d)
+        except APIError:
+            raise
+        except Exception as e:  # the engine failed every request it had
+            raise APIError(500, f"{ENGINE_ERROR}: {e}", type="internal_server_error",
+                           code="internal_error") from e
         return choices
 
     async def _stream(self, sub: Submission, fmt: _Format, meta: dict[str, Any],
@@ -148,18 +302,74 @@ class GenerationHandler:
         head = {**meta, "object": fmt.chunk_object}
         started: set[int] = set()
         choices = [_Choice() for _ in range(sub.job.num_choices)]
-        async for d in self.engine.deltas(sub):
-            choices[d.index].token_ids += d.token_ids
-            if d.finished:
-                choices[d.index].num_cached_tokens = d.num_cached_tokens
-            chunk = {**head, "choices": [fmt.chunk_choice(d, d.index not in started)]}
-            started.add(d.index)
-            if include_usage:
-                chunk["usage"] = None
-            yield _sse(chunk)
+        try:
+            async for d in self.engine.deltas(sub):
+                _check_failed(d)
+                _absorb(choices[d.index], d)
+                chunk = {**head, "choices": fmt.chunk_choices(d, choices[d.index], d.index not in started)}
+                started.add(d.index)
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+        except Exception as e:  # headers are sent: the error travels as an event
+            error = e if isinstance(e, APIError) else APIError(
+                500, f"{ENGINE_ERROR}: {e}", type="internal_server_error", code="internal_error")
+            yield _sse(error.body())
+            yield "data: [DONE]\n\n"
+            return
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(prompt_lens, choices, sub.job.n)})
         yield "data: [DONE]\n\n"
+
+
+def _absorb(c: _Choice, d: Delta) -> None:
+    c.text += d.text
+    c.token_ids += d.token_ids
+    c.logprobs += d.logprobs or []
+    if d.finished:
+        c.finish_reason, c.num_cached_tokens = d.finish_reason, d.num_cached_tokens
+        c.stop_reason = d.stop_reason
+
+
+def _check_failed(d: Delta) -> None:
+    if d.finish_reason == "error":
+        raise APIError(500, ENGINE_ERROR, type="internal_server_error", code="internal_error")
+
+
+def _tool_mode(body: ChatCompletionRequest) -> tool_calls.ToolMode:
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return tool_calls.ToolMode("named", body.tool_choice.function.name)
+    return tool_calls.ToolMode("required" if body.tool_choice == "required" else "auto")
+
+
+def _constraint(body, tools_mode) -> tuple[str, str, Any] | None:
+    """(param, kind, value) of the request's output constraint, if any."""
+    if tools_mode:
+        mode, tools = tools_mode
+        if mode.choice == "named":
+            return "tool_choice", "json_schema", tool_calls.named_schema(tools, mode.name)
+        if mode.choice == "required":
+            return "tool_choice", "json_schema", tool_calls.required_schema(tools)
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        return "response_format", "json_object", None
+    if fmt is not None and fmt.type == "json_schema":
+        return "response_format", "json_schema", fmt.json_schema.schema_ or {"type": "object"}
+    so = body.structured_outputs
+    if so is not None:
+        for kind, value in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                            ("grammar", so.grammar)):
+            if value is not None:
+                return "structured_outputs", kind, value
+        if so.json_object:
+            return "structured_outputs", "json_object", None
+        raise APIError(400, "structured_outputs needs one of json, regex, choice, grammar, json_object",
+                       param="structured_outputs")
+    for param, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                        ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(body, param) is not None:
+            return param, kind, getattr(body, param)
+    return None
 
 
 async def _unless_disconnected(task: asyncio.Future, http: HTTPRequest):
@@ -186,7 +396,10 @@ def _usage(prompt_lens: list[int], choices: list[_Choice], n: int) -> dict[str, 
 def _limit_error(message: str) -> APIError:
     if "max_model_len" in message or "KV blocks" in message:
         return APIError(400, message, param="max_tokens", code="context_length_exceeded")
-    return APIError(400, message, param="prompt" if "prompt" in message else None)
+    for param in ("logit_bias", "stop_token_ids", "min_tokens", "seed", "top_k", "prompt"):
+        if param in message:
+            return APIError(400, message, param=param)
+    return APIError(400, message, param="prompt")
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -1,0 +1,133 @@
+"""Grammar-constrained decoding with xgrammar.
+
+`GrammarCompilerPool` compiles a constraint (JSON schema, any JSON object,
+regex, choice, EBNF) once per request on the HTTP side, off the engine's step
+path; the compiled grammar rides in `SamplingParams.structured`. On a
+request's first sample the sampler makes it a `GrammarMatcher`, which follows
+the request's tokens and fills its row of a token bitmask each step;
+`apply_masks` applies every constrained row's mask in one op on the device.
+
+With pipelined steps the token a matcher must accept before the next mask is
+still on the device when the next step is launched, so a step with
+constrained rows reads those ids back first (one sync per such step; steps
+without constrained rows are untouched).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError as e:  # optional dependency
+        raise ValueError("structured output needs the xgrammar package: "
+                         "pip install 'kvserve[structured]'") from e
+    return xgrammar
+
+
+@dataclass(eq=False)
+class StructuredSpec:
+    """A compiled constraint; `kind` and `source` say what it was made from.
+
+    It crosses to the engine core pickled as the compiled grammar's JSON (a
+    millisecond each way), and the engine binds it to its own tokenizer info
+    on intake (`bind`)."""
+    kind: str
+    source: str
+    compiled: Any = None
+    compiled_json: str = ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        serialized = self.compiled_json or self.compiled.serialize_json()
+        return {"kind": self.kind, "source": self.source, "compiled": None, "compiled_json": serialized}
+
+    def bind(self, tokenizer_info) -> None:
+        if self.compiled is None:
+            self.compiled = _xgr().CompiledGrammar.deserialize_json(self.compiled_json, tokenizer_info)
+
+    def new_matcher(self) -> "GrammarMatcher":
+        if self.compiled is None:
+            raise ValueError("the grammar was not bound to the engine's tokenizer")
+        return GrammarMatcher(_xgr().GrammarMatcher(self.compiled))
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> Any:
+    """xgrammar's view of a tokenizer (vocabulary as byte strings, stop tokens)."""
+    return _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                 stop_token_ids=sorted(stop_token_ids))
+
+
+class GrammarCompilerPool:
+    """One xgrammar compiler (with its cache) for one tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.compiler = _xgr().GrammarCompiler(tokenizer_info(tokenizer, vocab_size, stop_token_ids),
+                                               max_threads=2)
+
+    def compile(self, kind: str, value: Any) -> StructuredSpec:
+        """Raises ValueError when the constraint does not compile."""
+        try:
+            compiled = self._compile(kind, value)
+        except ValueError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError on bad schemas / grammars
+            raise ValueError(f"the {kind} constraint does not compile: {e}") from e
+        source = value if isinstance(value, str) else json.dumps(value)
+        return StructuredSpec(kind, source, compiled)
+
+    def _compile(self, kind: str, value: Any):
+        if kind == "json_schema":
+            schema = value if isinstance(value, str) else json.dumps(value)
+            return self.compiler.compile_json_schema(schema, any_whitespace=False)
+        if kind == "json_object":
+            return self.compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            return self.compiler.compile_regex(value)
+        if kind == "choice":
+            return self.compiler.compile_regex("|".join(f"(?:{re.escape(c)})" for c in value))
+        if kind == "grammar":
+            return self.compiler.compile_grammar(value)
+        raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self._last: tuple[torch.Tensor, int] | None = None   # (device ids, row) not yet accepted
+
+    def sampled(self, ids: torch.Tensor, row: int) -> None:
+        self._last = (ids, row)
+
+    def catch_up(self) -> None:
+        """Accept the token sampled last step (reads it from the device)."""
+        if self._last is None:
+            return
+        ids, row = self._last
+        self._last = None
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(int(ids[row]))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.catch_up()
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher]]) -> None:
+    """Mask every constrained row's disallowed tokens to -inf, in one op."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])  # all allowed
+    for k, (_, matcher) in enumerate(rows):
+        matcher.fill(bitmask, k)
+    index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
+    sub = logits[index]
+    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=logits.shape[1])
+    logits[index] = sub
