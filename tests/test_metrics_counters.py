@@ -1,6 +1,7 @@
-"""KV usage and fragmentation come from running counters: equal to a walk over
-every block table (the definition) after every allocate/free of seeded random
-walks, and readable without touching any table."""
+"""KV usage and fragmentation come from running counters, and step inputs'
+block ids from a mirror of the tables: equal to a walk over every block table
+(the definition) after every allocate/free of seeded random walks, and
+readable without touching any table."""
 from __future__ import annotations
 
 import random
@@ -133,6 +134,10 @@ def test_counters_equal_the_walk(block_size: int, spec_set: str, host_blocks: in
         walk.random_op()
         assert manager.fragmentation() == walked_fragmentation(manager)
         assert manager.usage == pytest.approx(walked_usage(manager), abs=1e-12)
+        for request in walk.running.values():
+            assert manager.get_block_ids(request.request_id) == [
+                [b.block_id for b in g.blocks(request.request_id)] for g in manager.managers]
+        manager.check_integrity()  # also compares the mirror and counters with the tables
         seen.add(round(manager.fragmentation(), 3))
     for request in list(walk.running.values()) + walk.waiting:
         manager.free(request)
@@ -146,6 +151,7 @@ def test_counters_are_read_without_walking_tables() -> None:
     request = Request("a", list(range(10)), SamplingParams(max_tokens=10))
     assert manager.allocate_slots(request, 10)
     expected = walked_fragmentation(manager)
+    ids = [[b.block_id for b in g.blocks("a")] for g in manager.managers]
     assert expected > 0.0
 
     class NoWalk(dict):
@@ -157,6 +163,10 @@ def test_counters_are_read_without_walking_tables() -> None:
         group.req_to_blocks = NoWalk(group.req_to_blocks)
     assert manager.fragmentation() == expected
     assert manager.usage == pytest.approx(6 / 63)  # 3 blocks in each of 2 groups
+    returned = manager.get_block_ids("a")
+    assert returned == ids
+    returned[0].append(99)  # a copy: the caller cannot corrupt the mirror
+    assert manager.get_block_ids("a") == ids
     assert expected == pytest.approx(1 - 20 / 24)
 
 

@@ -1,14 +1,24 @@
-"""Running totals behind `KVCacheManager.fragmentation`: how many distinct
-blocks requests hold, and how many of their slots hold a token.
+"""What requests hold, kept up to date where it changes: a mirror of every
+request's block ids per group (`HeldTables`, what the runner reads each step)
+and the running totals behind `KVCacheManager.fragmentation` (`BlockFill`).
 
 A block's fill, as seen by one holder (a request's table entry at index i in
 one group, the request covering tokens [0, end)), is
 min(block_size, max(0, end - i * block_size)). A block shared by several
 holders counts once, at its largest fill. The KV cache manager reports every
-change of a holder's fill here (allocate, free, a request's end moving), so
-reading the totals costs O(1) instead of a walk over every held block.
+table change and every move of a request's end here, and only the entries
+that change are touched, so a step's cost follows what the step changed and
+reading the totals is O(1), not a walk over every held block.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvserve.cache.block_pool import NULL_BLOCK_ID
+
+if TYPE_CHECKING:
+    from kvserve.cache.managers import SingleTypeManager
 
 
 class BlockFill:
@@ -55,9 +65,16 @@ class BlockFill:
 
     def move(self, block_id: int, old_fill: int, new_fill: int) -> None:
         """One holder's fill changed (its request's end moved)."""
-        if old_fill != new_fill:
-            self.remove(block_id, old_fill)
-            self.add(block_id, new_fill)
+        if old_fill == new_fill:
+            return
+        fills = self._fills.get(block_id)
+        if fills is not None and len(fills) == 1 and fills.get(old_fill) == 1:
+            # The sole holder (every partly filled block in practice): the hot path.
+            self._fills[block_id] = {new_fill: 1}
+            self.used_slots += new_fill - old_fill
+            return
+        self.remove(block_id, old_fill)
+        self.add(block_id, new_fill)
 
     def fragmentation(self) -> float:
         """Share of slots in held blocks that hold no token (0.0 when none is held)."""
@@ -68,3 +85,89 @@ class BlockFill:
     def largest_fills(self) -> dict[int, int]:
         """Block id -> largest fill over its holders (for integrity checks)."""
         return {block_id: max(fills) for block_id, fills in self._fills.items()}
+
+
+class HeldTables:
+    """Per request, each group's block ids (NULL = 0) and their fill counters.
+
+    Call order within one allocation: `drop_skipped` before the groups drop
+    blocks, `move_end` for the new end, `add_new` after new blocks are
+    appended; `forget` before the groups free a request.
+    """
+
+    def __init__(self, managers: Sequence["SingleTypeManager"], block_size: int) -> None:
+        self.managers = managers
+        self.block_size = block_size
+        self.fill = BlockFill(block_size)
+        self._ids: dict[str, list[list[int]]] = {}
+
+    def block_ids(self, request_id: str) -> list[list[int]] | None:
+        """The live per-group id lists (the caller copies them), or None."""
+        return self._ids.get(request_id)
+
+    def move_end(self, request_id: str, old: int, end: int) -> None:
+        """The request now covers [0, end) instead of [0, old): refill the
+        entries in between."""
+        if old == end:
+            return
+        if end == old + 1:  # a decode step: one slot of one entry per group
+            self._grow_by_one(request_id, old)
+            return
+        fill, ids = self.fill, self._ids[request_id]
+        start, stop = min(old, end) // self.block_size, -(-max(old, end) // self.block_size)
+        for table in ids:
+            for index in range(start, min(stop, len(table))):
+                if table[index] != NULL_BLOCK_ID:
+                    fill.move(table[index], fill.fill(index, old), fill.fill(index, end))
+
+    def _grow_by_one(self, request_id: str, old: int) -> None:
+        index, slots = divmod(old, self.block_size)
+        for table in self._ids[request_id]:
+            if index < len(table) and table[index] != NULL_BLOCK_ID:
+                self.fill.move(table[index], slots, slots + 1)
+
+    def drop_skipped(self, request_id: str, first_query_pos: int, end: int) -> None:
+        """The entries each group is about to drop (`skippable_blocks`) become NULL."""
+        for manager, table in zip(self.managers, self._ids[request_id]):
+            for index in manager.skippable_blocks(request_id, first_query_pos):
+                self.fill.remove(table[index], self.fill.fill(index, end))
+                table[index] = NULL_BLOCK_ID
+
+    def add_new(self, request_id: str, end: int) -> None:
+        """Mirror and count the entries the groups appended since the last call
+        (a new request's whole tables)."""
+        ids = self._ids.setdefault(request_id, [[] for _ in self.managers])
+        for manager, table in zip(self.managers, ids):
+            blocks = manager.blocks(request_id)
+            for index in range(len(table), len(blocks)):
+                block_id = blocks[index].block_id
+                table.append(block_id)
+                if block_id != NULL_BLOCK_ID:
+                    self.fill.add(block_id, self.fill.fill(index, end))
+
+    def forget(self, request_id: str, end: int) -> None:
+        for table in self._ids.pop(request_id, ()):
+            for index, block_id in enumerate(table):
+                if block_id != NULL_BLOCK_ID:
+                    self.fill.remove(block_id, self.fill.fill(index, end))
+
+    def check(self, ends: dict[str, int]) -> None:
+        """Raise RuntimeError unless the mirror and the counters equal a walk
+        over every group's tables (the definitions)."""
+        walked: dict[int, int] = {}
+        request_ids = set(self._ids).union(*(m.req_to_blocks for m in self.managers))
+        for group_id, manager in enumerate(self.managers):
+            for request_id in request_ids:
+                blocks = manager.blocks(request_id)
+                table = self._ids.get(request_id, [[]] * len(self.managers))[group_id]
+                if table != [b.block_id for b in blocks]:
+                    raise RuntimeError(f"block-id mirror of {request_id!r} in group {group_id} "
+                                       f"is {table}, the table holds {blocks}")
+                for index, block in enumerate(blocks):
+                    if not block.is_null:
+                        slots = self.fill.fill(index, ends.get(request_id, 0))
+                        walked[block.block_id] = max(walked.get(block.block_id, 0), slots)
+        fill = self.fill
+        if (fill.largest_fills() != walked or fill.num_held != len(walked)
+                or fill.used_slots != sum(walked.values())):
+            raise RuntimeError("fragmentation counters disagree with the block tables")

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cache import groups as layout
-from kvserve.cache.block_fill import BlockFill
+from kvserve.cache.block_fill import HeldTables
 from kvserve.cache.block_pool import BlockPool, KVBlock
 from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
@@ -126,8 +126,8 @@ class KVCacheManager:
         self.num_swap_drops = 0  # swaps abandoned: their cached prefix left both tiers
         # End of each request's computed+scheduled range (for fragmentation).
         self._num_tokens: dict[str, int] = {}
-        # Held blocks and their filled slots, updated on every change (fragmentation).
-        self._fill = BlockFill(block_size)
+        # Block-id mirror and fill counters, updated where tables change.
+        self._held = HeldTables(self.managers, block_size)
 
     # ---- layout -------------------------------------------------------
     @property
@@ -316,16 +316,15 @@ class KVCacheManager:
         if hit is not None:
             self._add_hit(request_id, hit)
         if holds:
-            self._uncount_skipped(request_id, first_query_pos)
+            self._held.drop_skipped(request_id, first_query_pos, self._num_tokens[request_id])
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, first_query_pos)
         if holds:
             self._set_end(request_id, total)
-        old_lengths = [len(m.blocks(request_id)) if holds else 0 for m in self.managers]
         for manager in self.managers:
             manager.allocate_new_blocks(request_id, total)
         self._num_tokens[request_id] = total
-        self._count_from(request_id, old_lengths, total)
+        self._held.add_new(request_id, total)
 
     def _add_hit(self, request_id: str, hit: ComputedBlocks) -> None:
         """Give the request its hit blocks, loading the host ones into new GPU blocks."""
@@ -396,52 +395,15 @@ class KVCacheManager:
             self.host_tier.release_private(swapped.slots())
 
     def _free_gpu(self, request_id: str) -> None:
-        self._uncount(request_id)
+        self._held.forget(request_id, self._num_tokens.get(request_id, 0))
         for manager in self.managers:
             manager.free(request_id)
         self._num_tokens.pop(request_id, None)
 
-    # ---- fill counters (fragmentation) ------------------------------------
-    # Every change to a table entry or to a request's end passes through these,
-    # touching only the entries that change, so reading the totals is O(1).
     def _set_end(self, request_id: str, end: int) -> None:
-        """Move a request's end, updating the fill of the entries between the
-        old and the new end."""
-        old = self._num_tokens.get(request_id, 0)
+        """Record the end of the request's computed+scheduled range."""
+        self._held.move_end(request_id, self._num_tokens[request_id], end)
         self._num_tokens[request_id] = end
-        if old == end:
-            return
-        fill = self._fill
-        start, stop = min(old, end) // self.block_size, -(-max(old, end) // self.block_size)
-        for manager in self.managers:
-            table = manager.blocks(request_id)
-            for index in range(start, min(stop, len(table))):
-                block = table[index]
-                if not block.is_null:
-                    fill.move(block.block_id, fill.fill(index, old), fill.fill(index, end))
-
-    def _uncount_skipped(self, request_id: str, first_query_pos: int) -> None:
-        """Forget the entries the groups are about to drop (their windows moved)."""
-        end = self._num_tokens[request_id]
-        for manager in self.managers:
-            table = manager.blocks(request_id)
-            for index in manager.skippable_blocks(request_id, first_query_pos):
-                self._fill.remove(table[index].block_id, self._fill.fill(index, end))
-
-    def _count_from(self, request_id: str, starts: list[int], end: int) -> None:
-        """Count each group's entries from `starts[group]` on (the new ones)."""
-        for manager, start in zip(self.managers, starts):
-            table = manager.blocks(request_id)
-            for index in range(start, len(table)):
-                if not table[index].is_null:
-                    self._fill.add(table[index].block_id, self._fill.fill(index, end))
-
-    def _uncount(self, request_id: str) -> None:
-        end = self._num_tokens.get(request_id, 0)
-        for manager in self.managers:
-            for index, block in enumerate(manager.blocks(request_id)):
-                if not block.is_null:
-                    self._fill.remove(block.block_id, self._fill.fill(index, end))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing done) while requests hold blocks."""
@@ -519,8 +481,12 @@ class KVCacheManager:
 
     # ---- introspection ------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[list[int]]:
-        """Per group block table, NULL block (id 0) included."""
-        return [[block.block_id for block in m.blocks(request_id)] for m in self.managers]
+        """Per group block table, NULL block (id 0) included: copies of a
+        mirror kept where tables change, so a step does not walk blocks."""
+        ids = self._held.block_ids(request_id)
+        if ids is None:
+            return [[] for _ in self.managers]
+        return [table.copy() for table in ids]
 
     def num_blocks_needed(self, num_tokens: int, chunk_tokens: int = 1) -> int:
         """Peak blocks one request holds across groups to reach `num_tokens`,
@@ -532,20 +498,7 @@ class KVCacheManager:
 
         A block shared by several requests counts once, at its fullest; read
         from running counters (`block_fill.py`), O(1)."""
-        return self._fill.fragmentation()
-
-    def _walk_fills(self) -> dict[int, int]:
-        """Held block id -> largest fill, by a walk over every table: what the
-        running counters must equal (check_integrity compares them)."""
-        used: dict[int, int] = {}
-        for manager in self.managers:
-            for request_id, table in manager.req_to_blocks.items():
-                end = self._num_tokens.get(request_id, 0)
-                for index, block in enumerate(table):
-                    if not block.is_null:
-                        slots = self._fill.fill(index, end)
-                        used[block.block_id] = max(used.get(block.block_id, 0), slots)
-        return used
+        return self._held.fill.fragmentation()
 
     def check_integrity(self) -> None:
         """Raise RuntimeError when ref counts, free queue and hash map disagree."""
@@ -560,15 +513,8 @@ class KVCacheManager:
         if self.pool.null_block.ref_cnt != 0 or self.pool.null_block.block_hash is not None:
             raise RuntimeError("the NULL block was referenced or cached")
         self.pool.check_integrity(refs)
-        self._check_fill_counters()
+        self._held.check(self._num_tokens)
         self._check_host_integrity()
-
-    def _check_fill_counters(self) -> None:
-        walked = self._walk_fills()
-        fill = self._fill
-        if (fill.largest_fills() != walked or fill.num_held != len(walked)
-                or fill.used_slots != sum(walked.values())):
-            raise RuntimeError("fragmentation counters disagree with the block tables")
 
     def _check_host_integrity(self) -> None:
         host = self.host_tier
