@@ -1,4 +1,4 @@
-"""The `kvserve` command line: generate, chat, serve, bench."""
+"""The `kvserve` command line: generate, chat, serve, bench, diagnose, profile."""
 from __future__ import annotations
 
 import argparse
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
     _add_serve_parser(sub)
+    from kvserve.diagnose.cli import add_diagnose_parser, add_profile_parser
+    add_diagnose_parser(sub)
+    add_profile_parser(sub)
     return parser
 
 

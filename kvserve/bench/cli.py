@@ -19,6 +19,8 @@ def add_bench_parser(sub: Any) -> None:
     tp.add_argument("--repeats", type=int, default=2, help="timed runs per engine; the best is reported")
     tp.set_defaults(func=_run_throughput)
     _add_serve_bench(kinds)
+    from kvserve.bench.sweep import add_sweep_parser
+    add_sweep_parser(kinds)
 
 
 def _run_throughput(a: argparse.Namespace) -> int:

@@ -1,0 +1,178 @@
+"""`kvserve profile`: the kernel layer of the evidence chain.
+
+Runs random-token prompts (the anchor shape by default: 256 x 512 in / 128
+out) under torch.profiler and prints per-kernel time share, calls per step
+and launches per step (device kernels on a GPU, CPU ops elsewhere), the decode
+attention's achieved GB/s against the minimum bytes it must read, and writes
+a Chrome/Perfetto trace.
+
+Decode attention is found two ways: device kernels whose name matches
+`--attention-kernel` (the Triton decode kernel), and a profiler range
+`kvserve::decode_attention` put around every attention call of a decode-only
+batch (the torch reference backend has no single kernel). Its minimum bytes
+are each decode row's visible keys and values, once per layer.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DECODE_RANGE = "kvserve::decode_attention"
+
+
+@dataclass
+class DecodeBytes:
+    """Minimum K/V bytes decode attention must read, summed over calls."""
+
+    bytes: int = 0
+    calls: int = 0
+
+
+class _TracedBackend:
+    """Wraps an attention backend: decode-only calls run inside a named range
+    and add their minimum bytes (visible keys x K and V x heads x dim)."""
+
+    def __init__(self, inner, tally: DecodeBytes) -> None:
+        self.inner, self.tally, self.name = inner, tally, getattr(inner, "name", "backend")
+
+    def forward(self, q, k, v, kv_cache, layer, meta):
+        if not meta.is_decode_only:
+            return self.inner.forward(q, k, v, kv_cache, layer, meta)
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * kv_cache.element_size()
+        visible = sum(_visible_keys(layer.spec, n) for n in meta.seq_lens_cpu)
+        self.tally.bytes += visible * per_token
+        self.tally.calls += 1
+        with torch.profiler.record_function(DECODE_RANGE):
+            return self.inner.forward(q, k, v, kv_cache, layer, meta)
+
+
+def _visible_keys(spec, seq_len: int) -> int:
+    start = spec.visible_start(seq_len - 1)
+    return seq_len - start + min(getattr(spec, "sink", 0), start)
+
+
+def _wrap_attention(model: torch.nn.Module, tally: DecodeBytes) -> None:
+    for module in model.modules():
+        if hasattr(module, "backend") and hasattr(module.backend, "forward"):
+            module.backend = _TracedBackend(module.backend, tally)
+
+
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    from kvserve.cli import add_engine_args
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--trace", default="kvserve_trace.json", help="Chrome/Perfetto trace file to write")
+    p.add_argument("--top", type=int, default=15, help="kernels to list")
+    p.add_argument("--attention-kernel", default="decode", help="regex naming the decode attention kernel")
+    p.set_defaults(func=run_profile_cli)
+
+
+def run_profile_cli(a: argparse.Namespace) -> int:
+    if min(a.num_prompts, a.input_len, a.output_len) < 1:
+        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    from kvserve.bench.throughput import random_prompts
+    from kvserve.cli import engine_kwargs
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+    llm = LLM(**engine_kwargs(a))
+    engine = llm.engine
+    prompts = random_prompts(a.num_prompts, a.input_len, engine.model_config.vocab_size, seed=a.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], params.with_max_tokens(2), use_tqdm=False)
+    tally = DecodeBytes()
+    _wrap_attention(engine.runner.model, tally)
+    steps_before = engine.stats.num_steps
+    prof, elapsed = _profiled_run(llm, prompts, params)
+    prof.export_chrome_trace(a.trace)
+    report = profile_report(prof, engine.stats.num_steps - steps_before, tally, engine.runner.device,
+                            a.attention_kernel, elapsed)
+    print(f"workload: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, "
+          f"model={a.model or 'embedded'}, device={engine.runner.device}")
+    print(format_report(report, a.top))
+    print(f"trace: {a.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _profiled_run(llm, prompts, params):
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    return prof, elapsed
+
+
+def _kernel_rows(prof, on_gpu: bool) -> list[dict[str, Any]]:
+    """(name, self time us, calls) per kernel: device kernels on a GPU, CPU ops (no ranges) on CPU."""
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        if on_gpu and device_us > 0:
+            rows.append({"name": e.key, "us": device_us, "calls": e.count})
+        elif not on_gpu and not e.key.startswith(("kvserve::", "ProfilerStep")) and e.self_cpu_time_total > 0:
+            rows.append({"name": e.key, "us": e.self_cpu_time_total, "calls": e.count})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def _range_us(prof, name: str) -> tuple[float, int]:
+    for e in prof.key_averages():
+        if e.key == name:
+            return e.cpu_time_total, e.count
+    return 0.0, 0
+
+
+def profile_report(prof, num_steps: int, tally: DecodeBytes, device: torch.device, attention_kernel: str,
+                   elapsed_s: float) -> dict[str, Any]:
+    on_gpu = device.type == "cuda"
+    rows = _kernel_rows(prof, on_gpu)
+    total_us = sum(r["us"] for r in rows) or 1.0
+    steps = max(num_steps, 1)
+    for r in rows:
+        r["share"], r["calls_per_step"] = r["us"] / total_us, r["calls"] / steps
+    if on_gpu:
+        pattern = re.compile(attention_kernel)
+        matched = [r for r in rows if pattern.search(r["name"])]
+        attn_us, attn_calls, source = sum(r["us"] for r in matched), sum(r["calls"] for r in matched), "kernels"
+    else:
+        (attn_us, attn_calls), source = _range_us(prof, DECODE_RANGE), "range " + DECODE_RANGE
+    report = {"steps": num_steps, "elapsed_s": elapsed_s, "kernels": rows, "total_us": total_us,
+              "launches_per_step": sum(r["calls"] for r in rows) / steps, "on_gpu": on_gpu,
+              "decode_attention": {"source": source, "time_us": attn_us, "calls": attn_calls,
+                                   "min_bytes": tally.bytes, "layer_calls": tally.calls,
+                                   "achieved_gb_s": tally.bytes / (attn_us * 1e-6) / 1e9 if attn_us else None}}
+    if on_gpu:
+        from kvserve.bench.device_limits import measure_device_limits
+        report["device_copy_gb_s"] = measure_device_limits(device).copy_bytes_per_s / 1e9
+    return report
+
+
+def format_report(r: dict[str, Any], top: int) -> str:
+    unit = "device kernels" if r["on_gpu"] else "CPU ops"
+    lines = [f"{r['steps']} engine steps in {r['elapsed_s']:.2f} s; {unit}: {r['total_us'] / 1e3:.1f} ms self time, "
+             f"{r['launches_per_step']:.1f} launches per step",
+             f"{'kernel':<60}{'share':>8}{'ms':>10}{'calls':>8}{'/step':>8}"]
+    for k in r["kernels"][:top]:
+        lines.append(f"{k['name'][:59]:<60}{k['share']:>8.1%}{k['us'] / 1e3:>10.2f}{k['calls']:>8}"
+                     f"{k['calls_per_step']:>8.1f}")
+    d = r["decode_attention"]
+    lines.append(f"decode attention ({d['source']}): {d['time_us'] / 1e3:.2f} ms over {d['calls']} calls; "
+                 f"minimum K/V bytes {d['min_bytes'] / 1e6:.1f} MB over {d['layer_calls']} layer calls")
+    if d["achieved_gb_s"] is not None:
+        line = f"  achieved {d['achieved_gb_s']:.2f} GB/s of the minimum bytes"
+        if "device_copy_gb_s" in r:
+            line += (f" = {d['achieved_gb_s'] / r['device_copy_gb_s']:.1%} of the measured copy limit "
+                     f"{r['device_copy_gb_s']:.0f} GB/s")
+        lines.append(line)
+    else:
+        lines.append(f"  no decode attention time found (pattern or range matched nothing)")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""`kvserve bench sweep` on CPU with tiny shapes: table, CSV, JSON and PNG;
+the recommendation rule; the KV cap reaches the engine."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from kvserve.bench.sweep import COLUMNS, SweepRow, parse_int_list, recommend, word_token_ids
+from kvserve.cli import main
+
+pytest.importorskip("matplotlib")
+
+
+def test_sweep_writes_table_csv_json_png(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["bench", "sweep", "--model", "dummy:tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                 "--dtype", "float32", "--max-model-len", "256", "--workload", "ide-completion",
+                 "--num-prompts", "10", "--scale", "0.05", "--block-sizes", "8,16",
+                 "--max-num-batched-tokens", "32,256", "--kv-tokens", "1024", "--output", str(out),
+                 "--save-records", str(tmp_path / "records")]) == 0
+    text = capsys.readouterr().out
+    assert "hit rate" in text and "recommended: block size" in text
+    with open(f"{out}.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(r["block_size"]), int(r["budget"])) for r in rows] == [(8, 32), (8, 256), (16, 32), (16, 256)]
+    assert set(rows[0]) == set(COLUMNS)
+    # IDE requests share file prefixes: every setting hits the cache.
+    assert all(0 < float(r["hit_rate"]) < 1 and float(r["req_per_s"]) > 0 for r in rows)
+    data = json.loads(open(f"{out}.json").read())
+    picked = data["recommended"]
+    assert (picked["block_size"], picked["budget"]) in [(r["block_size"], r["budget"]) for r in data["rows"]]
+    assert open(f"{out}.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((tmp_path / "records" / "record_bs16_budget32.json").read_text())
+    # --kv-tokens 1024 at block 16: 64 blocks + the null block.
+    assert record["config"]["num_blocks"] == 65 and record["config"]["max_num_batched_tokens"] == 32
+    assert main(["diagnose", "--offline", str(tmp_path / "records" / "record_bs16_budget32.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"]
+
+
+def _row(block: int, budget: int, rate: float, p95: float) -> SweepRow:
+    return SweepRow(block, budget, 0.5, rate, p95 / 2, p95, 10.0, 1.0, 0.5, 0.1, 0.0, 0)
+
+
+def test_recommend_prefers_rate_then_ttft():
+    rows = [_row(8, 2048, 10.0, 300.0), _row(16, 2048, 9.8, 200.0), _row(32, 2048, 6.0, 100.0)]
+    pick, why = recommend(rows)
+    assert (pick.block_size, pick.budget) == (16, 2048)  # within 5% of the best rate, lower TTFT p95
+    assert "block size 16, budget 2048" in why and "lowest TTFT p95" in why
+    pick, _ = recommend([_row(8, 2048, 10.0, 300.0), _row(32, 2048, 6.0, 100.0)])
+    assert pick.block_size == 8
+
+
+def test_inputs_are_checked_and_words_map_to_stable_ids():
+    with pytest.raises(ValueError, match="--block-sizes"):
+        parse_int_list("8,x", "--block-sizes")
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_int_list("0,16", "--block-sizes")
+    ids = word_token_ids("the cache the block", 256)
+    assert ids[0] == ids[2] and ids[0] != ids[1] and all(3 <= i < 256 for i in ids)
