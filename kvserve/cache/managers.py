@@ -171,9 +171,10 @@ class SlidingWindowManager(SingleTypeManager):
         return skipped
 
     def max_blocks(self, num_tokens: int, chunk_tokens: int = 1) -> int:
-        # Keys [p0 - window + 1, p0 + chunk) span window - 1 + chunk tokens,
-        # which can straddle one more block than their length needs.
-        bounded = (cdiv(self.spec.window - 1 + chunk_tokens, self.block_size) + 1
+        # Keys [p0 - window + 1, p0 + chunk) span L = window - 1 + chunk tokens;
+        # L tokens straddle at most cdiv(L - 1, block_size) + 1 blocks (exact:
+        # some p0 reaches it), so admission refuses no request that fits.
+        bounded = (cdiv(self.spec.window - 2 + chunk_tokens, self.block_size) + 1
                    + self.num_sink_blocks)
         return min(cdiv(num_tokens, self.block_size), bounded)
 
