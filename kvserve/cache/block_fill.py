@@ -65,16 +65,20 @@ class BlockFill:
 
     def move(self, block_id: int, old_fill: int, new_fill: int) -> None:
         """One holder's fill changed (its request's end moved)."""
-        if old_fill == new_fill:
-            return
+        if old_fill != new_fill:
+            self.remove(block_id, old_fill)
+            self.add(block_id, new_fill)
+
+    def grow(self, block_id: int, fill: int) -> None:
+        """One holder's fill went from `fill` to `fill + 1` (a decode step)."""
         fills = self._fills.get(block_id)
-        if fills is not None and len(fills) == 1 and fills.get(old_fill) == 1:
-            # The sole holder (every partly filled block in practice): the hot path.
-            self._fills[block_id] = {new_fill: 1}
-            self.used_slots += new_fill - old_fill
-            return
-        self.remove(block_id, old_fill)
-        self.add(block_id, new_fill)
+        if fills is not None and fills.get(fill) == 1 and len(fills) == 1:
+            # The sole holder, as of every partly filled block in practice: hot path.
+            del fills[fill]
+            fills[fill + 1] = 1
+            self.used_slots += 1
+        else:
+            self.move(block_id, fill, fill + 1)
 
     def fragmentation(self) -> float:
         """Share of slots in held blocks that hold no token (0.0 when none is held)."""
@@ -111,7 +115,10 @@ class HeldTables:
         if old == end:
             return
         if end == old + 1:  # a decode step: one slot of one entry per group
-            self._grow_by_one(request_id, old)
+            index, slots = divmod(old, self.block_size)
+            for table in self._ids[request_id]:
+                if index < len(table) and table[index] != NULL_BLOCK_ID:
+                    self.fill.grow(table[index], slots)
             return
         fill, ids = self.fill, self._ids[request_id]
         start, stop = min(old, end) // self.block_size, -(-max(old, end) // self.block_size)
@@ -119,12 +126,6 @@ class HeldTables:
             for index in range(start, min(stop, len(table))):
                 if table[index] != NULL_BLOCK_ID:
                     fill.move(table[index], fill.fill(index, old), fill.fill(index, end))
-
-    def _grow_by_one(self, request_id: str, old: int) -> None:
-        index, slots = divmod(old, self.block_size)
-        for table in self._ids[request_id]:
-            if index < len(table) and table[index] != NULL_BLOCK_ID:
-                self.fill.move(table[index], slots, slots + 1)
 
     def drop_skipped(self, request_id: str, first_query_pos: int, end: int) -> None:
         """The entries each group is about to drop (`skippable_blocks`) become NULL."""

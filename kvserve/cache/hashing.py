@@ -37,8 +37,11 @@ def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = (
     num_full = request.num_known_tokens // block_size  # never a pending (unknown) token
     if len(hashes) >= num_full:
         return
-    token_ids = request.all_token_ids  # built once: the property concatenates
-    for index in range(len(hashes), num_full):
+    first = len(hashes)
+    # Only the new blocks' tokens: all_token_ids would copy the whole sequence.
+    token_ids = request.token_ids_between(first * block_size, num_full * block_size)
+    for index in range(first, num_full):
         parent = hashes[-1] if hashes else None
-        block_tokens = token_ids[index * block_size:(index + 1) * block_size]
+        offset = (index - first) * block_size
+        block_tokens = token_ids[offset:offset + block_size]
         hashes.append(hash_block(parent, block_tokens, extra_keys))

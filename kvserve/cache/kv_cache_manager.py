@@ -289,10 +289,11 @@ class KVCacheManager:
         blocks_needed = -(-total // self.block_size)
         known_full = request.num_known_tokens // self.block_size if self.enable_prefix_caching else 0
         rid = request.request_id
-        if any(len(m.blocks(rid)) < blocks_needed or m.num_cached_blocks.get(rid, 0) < known_full
-               for m in self.managers):
-            return False
-        self._set_end(request.request_id, total)
+        for m in self.managers:
+            if len(m.blocks(rid)) < blocks_needed or m.num_cached_blocks.get(rid, 0) < known_full:
+                return False
+        self._held.move_end(rid, self._num_tokens[rid], total)
+        self._num_tokens[rid] = total
         return True
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
@@ -380,7 +381,7 @@ class KVCacheManager:
         if not pending:
             return
         extend_block_hashes(request, self.block_size, self.extra_keys)
-        token_ids = request.all_token_ids
+        token_ids = _TokenSlices(request)  # decode fills a block every block_size steps
         for manager in pending:
             manager.cache_full_blocks(request.request_id, request.block_hashes, token_ids,
                                       num_known)
@@ -530,6 +531,21 @@ class KVCacheManager:
             block = self.pool.cached.get(key)
             if block is not None and block.content != entry.content:
                 raise RuntimeError(f"{key} is cached on GPU and host with different contents")
+
+
+class _TokenSlices:
+    """A request's token ids sliced by position without building the whole
+    list (`all_token_ids` concatenates: O(length) for every block cached)."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    def __getitem__(self, positions: slice) -> list[int]:
+        if positions.step is not None or positions.start is None or positions.stop is None:
+            raise ValueError(f"token slices take [start:stop] only, got {positions}")
+        return self.request.token_ids_between(positions.start, positions.stop)
 
 
 def _is_private(block: HitBlock) -> bool:
