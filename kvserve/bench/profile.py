@@ -168,11 +168,11 @@ def format_report(r: dict[str, Any], top: int) -> str:
     lines.append(f"decode attention ({d['source']}): {d['time_us'] / 1e3:.2f} ms over {d['calls']} calls; "
                  f"minimum K/V bytes {d['min_bytes'] / 1e6:.1f} MB over {d['layer_calls']} layer calls")
     if d["achieved_gb_s"] is not None:
-        line = f"  achieved {d['achieved_gb_s']:.2f} GB/s of the minimum bytes"
+        line = f"  achieved {d['achieved_gb_s']:.3g} GB/s of the minimum bytes"
         if "device_copy_gb_s" in r:
             line += (f" = {d['achieved_gb_s'] / r['device_copy_gb_s']:.1%} of the measured copy limit "
                      f"{r['device_copy_gb_s']:.0f} GB/s")
         lines.append(line)
     else:
-        lines.append(f"  no decode attention time found (pattern or range matched nothing)")
+        lines.append("  no decode attention time found (pattern or range matched nothing)")
     return "\n".join(lines)
