@@ -6,8 +6,10 @@ derived from block tables on the device, so there is no per-token Python loop.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
@@ -44,7 +46,8 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_ids: list[list[lis
     query_lens = [s.num_new_tokens for s in scheduled]
     seq_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
     num_seqs = len(scheduled)
-    starts = torch.tensor([s.start_pos for s in scheduled], dtype=torch.int64)
+    starts = torch.from_numpy(np.fromiter((s.start_pos for s in scheduled), dtype=np.int64,
+                                          count=num_seqs))
     if len(query_lens) == sum(query_lens):  # decode-only: one token per sequence
         tokens = [s.request.token_ids_between(s.start_pos, s.start_pos + 1)[0] for s in scheduled]
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
@@ -59,8 +62,9 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_ids: list[list[lis
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=len(tokens))
         positions = starts[seq_idx] + (torch.arange(len(tokens)) - query_start_loc[:-1].long()[seq_idx])
     tables = [pad_tables([ids[g] for ids in block_ids]) for g in range(num_groups)]
-    return HostBatch(torch.tensor(tokens, dtype=torch.long), positions, query_start_loc,
-                     torch.tensor(seq_lens, dtype=torch.int32), tables, seq_idx, query_lens, seq_lens)
+    return HostBatch(torch.from_numpy(np.array(tokens, dtype=np.int64)), positions, query_start_loc,
+                     torch.from_numpy(np.array(seq_lens, dtype=np.int32)), tables, seq_idx, query_lens,
+                     seq_lens)
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_ids: list[list[list[int]]],
@@ -95,13 +99,15 @@ def slot_mapping(table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Te
 
 
 def pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
-    """Rows padded with the null block 0 to a common width, in one tensor call."""
-    width = max(max(len(t) for t in tables), 1) if width is None else width
-    flat: list[int] = []
-    for t in tables:
-        flat.extend(t)
-        flat.extend([0] * (width - len(t)))
-    return torch.tensor(flat, dtype=torch.int32).view(len(tables), width)
+    """Rows padded with the null block 0 to a common width. One numpy pass
+    over the ids: `torch.tensor` of a Python list costs ~0.6 us per element,
+    15 ms for 256 sequences of 1K tokens."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = max(int(lengths.max(initial=0)), 1) if width is None else width
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    out[np.arange(width) < lengths[:, None]] = flat
+    return torch.from_numpy(out)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
