@@ -59,3 +59,35 @@ def test_inputs_are_checked_and_words_map_to_stable_ids():
         parse_int_list("0,16", "--block-sizes")
     ids = word_token_ids("the cache the block", 256)
     assert ids[0] == ids[2] and ids[0] != ids[1] and all(3 <= i < 256 for i in ids)
+
+
+def test_profile_runs_on_cpu_and_writes_a_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    assert main(["profile", "--model", "dummy:tiny-llama", "--load-format", "dummy", "--device", "cpu",
+                 "--dtype", "float32", "--max-model-len", "64", "--num-prompts", "2", "--input-len", "16",
+                 "--output-len", "4", "--trace", str(trace), "--top", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "launches per step" in text and "aten::" in text
+    assert "decode attention (range kvserve::decode_attention)" in text and "achieved" in text
+    # 16-token prompts, 4 outputs: decode steps at contexts 17, 18, 19 (the prefill samples the first).
+    assert "over 3 decode-only steps" in text
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_decode_bytes_match_a_brute_force_count():
+    from types import SimpleNamespace
+
+    from kvserve.bench.profile import DecodeBytes
+    from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
+    specs = (SlidingWindowSpec(window=8), FullAttentionSpec(), SlidingWindowSpec(window=4, sink=2))
+    tally = DecodeBytes(specs, bytes_per_token=10)
+    step = lambda *rows: SimpleNamespace(is_empty=False, scheduled=[  # noqa: E731
+        SimpleNamespace(num_new_tokens=n, start_pos=p) for n, p in rows])
+    tally.observe(step((1, 19), (1, 5)))      # contexts 20 and 6
+    tally.observe(step((1, 30), (7, 0)))      # a mixed step: not decode-only, not counted
+    # Brute force: a query at position p sees key k when k <= p and (p - k < window or k < sink).
+    def visible(spec, n):
+        p = n - 1
+        window, sink = getattr(spec, "window", n), getattr(spec, "sink", 0)
+        return sum(1 for k in range(n) if p - k < window or k < sink)
+    assert tally.bytes == 10 * sum(visible(s, n) for s in specs for n in (20, 6)) and tally.steps == 1

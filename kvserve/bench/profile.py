@@ -10,7 +10,10 @@ Decode attention is found two ways: device kernels whose name matches
 `--attention-kernel` (the Triton decode kernel), and a profiler range
 `kvserve::decode_attention` put around every attention call of a decode-only
 batch (the torch reference backend has no single kernel). Its minimum bytes
-are each decode row's visible keys and values, once per layer.
+are each decode row's visible keys and values, once per layer, counted from
+the scheduler's decode-only steps. Under CUDA graphs the range is not
+entered (a replay does not call Python), so on a GPU the kernel pattern is
+what times it.
 """
 from __future__ import annotations
 
@@ -27,28 +30,21 @@ DECODE_RANGE = "kvserve::decode_attention"
 
 @dataclass
 class DecodeBytes:
-    """Minimum K/V bytes decode attention must read, summed over calls."""
+    """Minimum K/V bytes decode attention must read, summed over decode-only
+    steps: each row's visible keys and values, once per layer. Counted from
+    the scheduler's output (host integers), so replayed CUDA graphs count too."""
 
+    specs: tuple
+    bytes_per_token: int          # K and V of one token in one layer
     bytes: int = 0
-    calls: int = 0
+    steps: int = 0
 
-
-class _TracedBackend:
-    """Wraps an attention backend: decode-only calls run inside a named range
-    and add their minimum bytes (visible keys x K and V x heads x dim)."""
-
-    def __init__(self, inner, tally: DecodeBytes) -> None:
-        self.inner, self.tally, self.name = inner, tally, getattr(inner, "name", "backend")
-
-    def forward(self, q, k, v, kv_cache, layer, meta):
-        if not meta.is_decode_only:
-            return self.inner.forward(q, k, v, kv_cache, layer, meta)
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * kv_cache.element_size()
-        visible = sum(_visible_keys(layer.spec, n) for n in meta.seq_lens_cpu)
-        self.tally.bytes += visible * per_token
-        self.tally.calls += 1
-        with torch.profiler.record_function(DECODE_RANGE):
-            return self.inner.forward(q, k, v, kv_cache, layer, meta)
+    def observe(self, out) -> None:
+        if out.is_empty or any(s.num_new_tokens != 1 for s in out.scheduled):
+            return
+        lengths = [s.start_pos + 1 for s in out.scheduled]
+        self.bytes += self.bytes_per_token * sum(_visible_keys(spec, n) for spec in self.specs for n in lengths)
+        self.steps += 1
 
 
 def _visible_keys(spec, seq_len: int) -> int:
@@ -56,10 +52,39 @@ def _visible_keys(spec, seq_len: int) -> int:
     return seq_len - start + min(getattr(spec, "sink", 0), start)
 
 
-def _wrap_attention(model: torch.nn.Module, tally: DecodeBytes) -> None:
+def _count_decode_bytes(engine) -> DecodeBytes:
+    """Tally every step the scheduler hands out from now on."""
+    layout = engine.runner.layout
+    per_token = 2 * layout.num_kv_heads * layout.head_dim * torch.finfo(layout.dtype).bits // 8
+    tally = DecodeBytes(tuple(engine.model_config.layer_specs), per_token)
+    schedule = engine.scheduler.schedule
+
+    def counted():
+        out = schedule()
+        tally.observe(out)
+        return out
+    engine.scheduler.schedule = counted
+    return tally
+
+
+class _TimedBackend:
+    """Wraps an attention backend so decode-only calls run inside a named
+    profiler range (CPU: the torch reference has no single decode kernel)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, getattr(inner, "name", "backend")
+
+    def forward(self, q, k, v, kv_cache, layer, meta):
+        if not meta.is_decode_only:
+            return self.inner.forward(q, k, v, kv_cache, layer, meta)
+        with torch.profiler.record_function(DECODE_RANGE):
+            return self.inner.forward(q, k, v, kv_cache, layer, meta)
+
+
+def _wrap_attention(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "backend") and hasattr(module.backend, "forward"):
-            module.backend = _TracedBackend(module.backend, tally)
+            module.backend = _TimedBackend(module.backend)
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
@@ -86,8 +111,8 @@ def run_profile_cli(a: argparse.Namespace) -> int:
     prompts = random_prompts(a.num_prompts, a.input_len, engine.model_config.vocab_size, seed=a.seed)
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], params.with_max_tokens(2), use_tqdm=False)
-    tally = DecodeBytes()
-    _wrap_attention(engine.runner.model, tally)
+    _wrap_attention(engine.runner.model)
+    tally = _count_decode_bytes(engine)
     steps_before = engine.stats.num_steps
     prof, elapsed = _profiled_run(llm, prompts, params)
     prof.export_chrome_trace(a.trace)
@@ -148,7 +173,7 @@ def profile_report(prof, num_steps: int, tally: DecodeBytes, device: torch.devic
     report = {"steps": num_steps, "elapsed_s": elapsed_s, "kernels": rows, "total_us": total_us,
               "launches_per_step": sum(r["calls"] for r in rows) / steps, "on_gpu": on_gpu,
               "decode_attention": {"source": source, "time_us": attn_us, "calls": attn_calls,
-                                   "min_bytes": tally.bytes, "layer_calls": tally.calls,
+                                   "min_bytes": tally.bytes, "decode_steps": tally.steps,
                                    "achieved_gb_s": tally.bytes / (attn_us * 1e-6) / 1e9 if attn_us else None}}
     if on_gpu:
         from kvserve.bench.device_limits import measure_device_limits
@@ -166,7 +191,7 @@ def format_report(r: dict[str, Any], top: int) -> str:
                      f"{k['calls_per_step']:>8.1f}")
     d = r["decode_attention"]
     lines.append(f"decode attention ({d['source']}): {d['time_us'] / 1e3:.2f} ms over {d['calls']} calls; "
-                 f"minimum K/V bytes {d['min_bytes'] / 1e6:.1f} MB over {d['layer_calls']} layer calls")
+                 f"minimum K/V bytes {d['min_bytes'] / 1e6:.3g} MB over {d['decode_steps']} decode-only steps")
     if d["achieved_gb_s"] is not None:
         line = f"  achieved {d['achieved_gb_s']:.3g} GB/s of the minimum bytes"
         if "device_copy_gb_s" in r:
