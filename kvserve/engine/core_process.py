@@ -80,14 +80,16 @@ class EngineCore:
         """Run until a shutdown input arrives or `idle_check` says stop. An
         exception is reported to the API side, then re-raised."""
         try:
-            while self._iterate(idle_check):
+            while self.run_once(idle_check):
                 pass
         except BaseException as e:
             logger.exception("engine core failed")
             self.transport.send(CoreOutputs(error=f"{type(e).__name__}: {e}"))
             raise
 
-    def _iterate(self, idle_check: Callable[[], bool]) -> bool:
+    def run_once(self, idle_check: Callable[[], bool] = lambda: True) -> bool:
+        """One turn: apply waiting inputs, then step if anything is unfinished.
+        False once a shutdown input arrived (or, idle, when idle_check says stop)."""
         busy = self.engine.has_unfinished_requests()
         if not busy:
             self._report_idle()

@@ -1,0 +1,256 @@
+"""The engine core in its own process, seen from the API server: aborts and
+disconnects reach the core and free its blocks; a core that dies or raises
+fails every open request with an OpenAI-style error and turns /health to 503,
+and nothing hangs. Plus the core loop itself, in-process with a fake transport:
+one message per step for all requests, accept/reject before the step.
+
+Servers are real (`kvserve serve`'s path: EngineArgs -> a spawned core) on a
+tiny random-weight checkpoint with no tokenizer, so prompts are token ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import httpx
+import openai
+import pytest
+
+from kvserve.config import EngineArgs
+from kvserve.engine.core_process import EngineCore
+from kvserve.engine.core_protocol import CoreInputs, CoreJob, CoreOutputs, CoreRequest, pack_sampling_params
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.app import build_app
+from kvserve.server.async_engine import AsyncEngine, EngineDeadError, Job
+from tests.test_server import LiveServer
+from tests.tiny_models import save_tiny_checkpoint
+
+LONG = 2000   # tokens a request would generate if its abort never reached the core
+
+
+@pytest.fixture(scope="module")
+def tiny_args(tmp_path_factory) -> EngineArgs:
+    path = save_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny") / "llama",
+                                max_position_embeddings=4096)
+    return EngineArgs(model=str(path), dtype="float32", device="cpu", max_model_len=4096)
+
+
+def _prompt(i: int) -> list[int]:
+    return [3 + (i * 11 + j) % 250 for j in range(16)]
+
+
+async def _read_then_leave(client: openai.AsyncOpenAI, i: int, num_chunks: int) -> int:
+    stream = await client.completions.create(model="tiny", prompt=_prompt(i), stream=True, max_tokens=LONG,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    received = 0
+    async for _ in stream:
+        received += 1
+        if received == num_chunks:
+            break
+    await stream.close()
+    return received
+
+
+async def _post_then_leave(url: str, i: int) -> None:
+    body = {"model": "tiny", "prompt": _prompt(i), "max_tokens": LONG, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        with pytest.raises(httpx.TimeoutException):
+            await http.post(f"{url}/v1/completions", json=body)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_args):
+    with LiveServer(build_app(tiny_args, "tiny")) as server:
+        yield server
+
+
+def _count(m: dict[str, float], reason: str) -> float:
+    return m.get(f'kvserve:request_success_total{{finished_reason="{reason}"}}', 0.0)
+
+
+def test_disconnect_storm_leaves_no_block_in_use(tiny_server):
+    """48 streams leave after 1-6 chunks; had an abort not reached the core,
+    its request would run on to LONG tokens."""
+    rng, before = random.Random(0), tiny_server.wait_idle()
+
+    async def storm():
+        client = openai.AsyncOpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0)
+        await asyncio.gather(*(_read_then_leave(client, i, rng.randint(1, 6)) for i in range(48)))
+        await client.close()
+    asyncio.run(storm())
+    m = tiny_server.wait_idle(timeout=60)
+    assert m["kvserve:kv_cache_usage_perc"] == 0.0
+    assert m["kvserve:num_requests_running"] == 0 and m["kvserve:num_requests_waiting"] == 0
+    assert _count(m, "abort") - _count(before, "abort") == 48
+    assert _count(m, "length") == _count(before, "length")
+    generated = m["kvserve:generation_tokens_total"] - before.get("kvserve:generation_tokens_total", 0)
+    assert generated < 48 * LONG / 4
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+
+
+@pytest.mark.xfail(reason="the app's @app.middleware('http') (BaseHTTPMiddleware) hides the client's "
+                          "disconnect from Request.is_disconnected, so a non-streaming request runs on")
+def test_non_streaming_clients_that_leave_free_their_blocks(tiny_server):
+    before = tiny_server.wait_idle()
+
+    async def leave():
+        await asyncio.gather(*(_post_then_leave(tiny_server.url, 100 + i) for i in range(8)))
+    asyncio.run(leave())
+    m = tiny_server.wait_idle(timeout=20)
+    assert m["kvserve:kv_cache_usage_perc"] == 0.0 and m["kvserve:num_requests_running"] == 0
+    # A timed-out POST the server had not started handling never became a request.
+    assert 0 < _count(m, "abort") - _count(before, "abort") <= 8
+
+
+async def _stream_until_error(client: openai.AsyncOpenAI, i: int, started: asyncio.Event,
+                              num_started: list[int], want: int) -> str:
+    stream = await client.completions.create(model="tiny", prompt=_prompt(i), stream=True, max_tokens=LONG,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    received = 0
+    try:
+        async for _ in stream:
+            received += 1
+            if received == 2:
+                num_started[0] += 1
+                if num_started[0] == want:
+                    started.set()
+    except openai.APIError as e:
+        return str(e)
+    return f"ended without an error after {received} chunks"
+
+
+def test_killing_the_core_mid_stream_fails_every_open_request(tiny_args):
+    app = build_app(tiny_args, "tiny")
+    core = app.state.async_engine.core
+    with LiveServer(app) as server:
+        async def run():
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            started, num_started = asyncio.Event(), [0]
+            body = {"model": "tiny", "prompt": _prompt(99), "max_tokens": LONG, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=60) as http:
+                plain = asyncio.ensure_future(http.post(f"{server.url}/v1/completions", json=body))
+                streams = [asyncio.ensure_future(_stream_until_error(client, i, started, num_started, 8))
+                           for i in range(8)]
+                await asyncio.wait_for(started.wait(), 60)
+                os.kill(core.pid, signal.SIGKILL)
+                results = await asyncio.wait_for(asyncio.gather(*streams), 30)   # nothing hangs
+                plain_response = await asyncio.wait_for(plain, 30)
+            await client.close()
+            return results, plain_response
+        results, plain = asyncio.run(run())
+        assert all("engine" in r and "ended without" not in r for r in results), results
+        assert plain.status_code == 500 and plain.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        refused = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                             json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2})
+        assert refused.status_code == 503, refused.text
+        assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def fail_on_fifth_step(engine) -> None:
+    """engine_hook for the core process: its 5th step raises (a bug in the core)."""
+    step, calls = engine.step, [0]
+
+    def failing_step():
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("injected core failure")
+        return step()
+    engine.step = failing_step
+
+
+def test_a_core_that_raises_fails_its_requests_and_turns_unhealthy(tiny_args):
+    async def run():
+        engine = AsyncEngine(tiny_args, engine_hook=fail_on_fifth_step)
+        engine.start()
+        try:
+            job = Job([_prompt(1), _prompt(2)], {"temperature": 0.0, "ignore_eos": True}, 100)
+            sub, prompt_lens = await engine.submit(job)
+            assert prompt_lens == [16, 16]
+            received = []
+            with pytest.raises(EngineDeadError, match="injected core failure"):
+                async for delta in engine.deltas(sub):
+                    received.append(delta)
+            assert 0 < len(received) < 10
+            await asyncio.sleep(0.5)
+            assert not engine.is_healthy
+            with pytest.raises(EngineDeadError) as refused:
+                await engine.submit(job)
+            assert refused.value.status == 503
+            assert engine.num_in_flight == 0
+        finally:
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(run(), 120))
+
+
+# -- the core loop, in-process ------------------------------------------------------------
+class FakeTransport:
+    def __init__(self) -> None:
+        self.inbox: list[CoreInputs] = []
+        self.sent: list[CoreOutputs] = []
+
+    def recv(self, timeout_s):
+        items, self.inbox = self.inbox, []
+        return items
+
+    def send(self, outputs: CoreOutputs) -> None:
+        self.sent.append(outputs)
+
+
+def _request(request_id: str, prompt: list[int], **params) -> CoreRequest:
+    packed, grammar = pack_sampling_params(SamplingParams(temperature=0.0, ignore_eos=True, **params))
+    return CoreRequest(request_id, prompt, packed, 0.0, grammar)
+
+
+def test_core_sends_one_message_per_step_and_answers_adds_before_stepping(tiny_args):
+    from kvserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(tiny_args)
+    transport = FakeTransport()
+    core = EngineCore(engine, transport)
+    good = CoreJob("a", [_request(f"a{i}", _prompt(i), max_tokens=6) for i in range(4)])
+    bad = CoreJob("b", [_request("b0", _prompt(9), max_tokens=6), _request("b1", [10**6], max_tokens=6)])
+    transport.inbox.append(CoreInputs(adds=[good, bad]))
+    assert core.run_once()
+    replies = [m for m in transport.sent if m.accepted or m.rejected]
+    assert len(replies) == 1 and not replies[0].outputs     # answered before the step ran
+    reply = replies[0]
+    assert reply.accepted == ["a"] and [r.job_id for r in reply.rejected] == ["b"]
+    assert reply.rejected[0].invalid and "vocabulary" in reply.rejected[0].message
+    assert "b0" not in engine.requests            # a rejected job adds none of its requests
+    while engine.has_unfinished_requests():
+        core.run_once()
+    steps = [m for m in transport.sent if m.outputs]
+    for message in steps:                          # every request's token rides in the same message
+        assert sorted(o.request_id for o in message.outputs) == ["a0", "a1", "a2", "a3"]
+    tokens = {f"a{i}": [] for i in range(4)}
+    for message in steps:
+        for out in message.outputs:
+            tokens[out.request_id] += out.new_token_ids
+    assert all(len(t) == 6 for t in tokens.values())
+    assert [o.finish_reason for o in steps[-1].outputs] == ["length"] * 4
+    core.run_once()                    # idle: one final metrics snapshot
+    assert transport.sent[-1].metrics["kv_cache_usage_perc"] == 0.0
+
+
+def test_core_abort_frees_blocks_and_stops_outputs(tiny_args):
+    from kvserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(tiny_args)
+    transport = FakeTransport()
+    core = EngineCore(engine, transport)
+    transport.inbox.append(CoreInputs(adds=[CoreJob("a", [_request("a0", _prompt(0), max_tokens=500),
+                                                          _request("a1", _prompt(1), max_tokens=500)])]))
+    for _ in range(4):
+        core.run_once()
+    assert engine.kv_cache.usage > 0
+    transport.inbox.append(CoreInputs(aborts=["a0"]))
+    num_sent = len(transport.sent)
+    core.run_once()
+    later = [o.request_id for m in transport.sent[num_sent:] for o in m.outputs]
+    assert "a0" not in later and "a1" in later
+    transport.inbox.append(CoreInputs(aborts=["a1", "never-added"]))
+    for _ in range(3):
+        core.run_once()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.usage == 0.0
