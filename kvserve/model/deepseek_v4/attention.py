@@ -1,0 +1,132 @@
+"""V4 attention layer: q LoRA, one shared K=V head with partial RoPE, a sliding
+window, per-head sinks, and (per layer type) a compressor of the past:
+CSA (overlapping windows + Lightning Indexer top-k) or HCA (all entries).
+
+The layer computes one sequence's new tokens against a `SequenceKV` past
+(state.py); the math lives in `kvserve.attention.v4_torch_ref`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.attention import v4_torch_ref as ref
+from kvserve.model.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+from kvserve.model.deepseek_v4.layers import RMSNorm, unweighted_rms_norm
+from kvserve.model.deepseek_v4.rope import V4Rope, apply_rope
+
+
+class Compressor(nn.Module):
+    """Per-token (kv, gate) projections pooled into one entry per `rate` tokens."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.wkv = nn.Linear(hidden, width, bias=False)
+        self.wgate = nn.Linear(hidden, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.norm = RMSNorm(dim, eps)
+        self.rate, self.overlap, self.dim = rate, overlap, dim
+
+    @property
+    def width(self) -> int:
+        return self.wkv.out_features
+
+    def new_entries(self, raw: tuple[torch.Tensor, torch.Tensor, int], p0: int, p_end: int,
+                    rope: V4Rope) -> torch.Tensor:
+        """Entries of the windows that close within [p0, p_end), normed and roped."""
+        kv, gate, first = raw
+        windows = range(p0 // self.rate, p_end // self.rate)
+        pooled = ref.pool_windows(kv, gate, first, windows, self.rate, self.overlap, self.ape)
+        if not len(windows):
+            return pooled
+        cos, sin = rope.cos_sin("compress", torch.tensor(list(windows), device=kv.device) * self.rate,
+                                pooled.dtype)
+        return apply_rope(self.norm(pooled), cos, sin)
+
+
+class Indexer(nn.Module):
+    """Lightning Indexer: its own compressor at index_head_dim, ReLU-weighted scores."""
+
+    def __init__(self, config: DeepseekV4Config, rate: int) -> None:
+        super().__init__()
+        self.n_heads, self.dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(config.hidden_size, self.dim, rate, True, config.rms_norm_eps)
+
+    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor, rope: V4Rope) -> torch.Tensor:
+        q = self.wq_b(q_residual).view(len(x), self.n_heads, self.dim)
+        q = apply_rope(q, *rope.cos_sin("compress", positions, q.dtype))
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return ref.top_k_mask(ref.index_scores(q, keys, weights), visible, self.topk)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx, self.layer_type = layer_idx, c.layer_types[layer_idx]
+        self.n_heads, self.dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
+        self.o_groups, self.rope_kind = c.o_groups, "main" if self.layer_type == SLIDING else "compress"
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, self.n_heads * self.dim, bias=False)
+        self.wkv = nn.Linear(c.hidden_size, self.dim, bias=False)
+        self.norm = RMSNorm(self.dim, c.rms_norm_eps)
+        self.wo_a = nn.Linear(self.n_heads * self.dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.eps = c.rms_norm_eps
+        self.rate = c.compress_rate(self.layer_type) if self.layer_type != SLIDING else 0
+        self.compressor = (Compressor(c.hidden_size, self.dim, self.rate, self.layer_type == CSA, c.rms_norm_eps)
+                           if self.rate else None)
+        self.indexer = Indexer(c, self.rate) if self.layer_type == CSA else None
+
+    def compressors(self) -> dict[str, Compressor]:
+        """Named compressors of this layer ("compressor", "indexer")."""
+        found = {"compressor": self.compressor} if self.compressor is not None else {}
+        if self.indexer is not None:
+            found["indexer"] = self.indexer.compressor
+        return found
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_store, rope: V4Rope) -> torch.Tensor:
+        """x [n, hidden] of one sequence's new tokens at consecutive positions."""
+        p0, p_end = int(positions[0]), int(positions[-1]) + 1
+        cos, sin = rope.cos_sin(self.rope_kind, positions, x.dtype)
+        q_residual = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(len(x), self.n_heads, self.dim), self.eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
+        comps = self.compressors()
+        past = kv_store.past(self.layer_idx, tuple(comps), x,
+                             {n: (c.width, c.dim) for n, c in comps.items()})
+        raw_new = {n: (c.wkv(x), c.wgate(x)) for n, c in comps.items()}
+        new_entries = {n: c.new_entries(_joined(past.raw[n], raw_new[n]), p0, p_end, rope)
+                       for n, c in comps.items()}
+        keys, mask = self._keys_and_mask(x, q_residual, positions, past, kv, new_entries, rope)
+        out = ref.sink_attention(q, keys, mask, self.attn_sink, self.dim ** -0.5)
+        kv_store.append(self.layer_idx, kv, raw_new, new_entries)
+        out = apply_rope(out, cos, -sin)  # undo the rotation V picked up (K = V)
+        grouped = out.reshape(len(x), self.o_groups, -1)
+        weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
+        return self.wo_b(torch.einsum("ngi,goi->ngo", grouped, weight).flatten(1))
+
+    def _keys_and_mask(self, x, q_residual, positions, past, kv, new_entries, rope):
+        keys = torch.cat([past.sliding_kv, kv])
+        key_pos = torch.arange(p_start := past.sliding_start, p_start + len(keys), device=x.device)
+        mask = (key_pos[None, :] <= positions[:, None]) & (positions[:, None] - key_pos[None, :] < self.window)
+        if self.compressor is None:
+            return keys, mask
+        entries = torch.cat([past.entries["compressor"], new_entries["compressor"]])
+        visible = ref.visible_entries(positions, len(entries), self.rate)
+        if self.indexer is not None:
+            index_keys = torch.cat([past.entries["indexer"], new_entries["indexer"]])
+            visible = self.indexer.select(x, q_residual, positions, index_keys, visible, rope)
+        return torch.cat([keys, entries]), torch.cat([mask, visible], dim=1)
+
+
+def _joined(past: tuple[torch.Tensor, torch.Tensor, int],
+            new: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    return torch.cat([past[0], new[0]]), torch.cat([past[1], new[1]]), past[2]
