@@ -373,14 +373,26 @@ def _constraint(body, tools_mode) -> tuple[str, str, Any] | None:
 
 
 async def _unless_disconnected(task: asyncio.Future, http: HTTPRequest):
-    """Await `task`, cancelling it (which aborts its requests) if the client leaves."""
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await http.is_disconnected():
-            task.cancel()
-            raise APIError(499, "client disconnected", code="client_disconnected")
+    """Await `task`, cancelling it (which aborts its requests) if the client leaves.
+
+    Listens on the ASGI receive channel: behind an `@app.middleware("http")`
+    (Starlette's BaseHTTPMiddleware) `Request.is_disconnected()` never reports
+    a disconnect, so polling it let a non-streaming request run to its end."""
+    left = asyncio.ensure_future(_client_left(http))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise APIError(499, "client disconnected", code="client_disconnected")
+
+
+async def _client_left(http: HTTPRequest) -> None:
+    """Returns once the client disconnects (the body was read already)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(prompt_lens: list[int], choices: list[_Choice], n: int) -> dict[str, Any]:
