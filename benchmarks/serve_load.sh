@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Online load against one engine's OpenAI server on the GPU machine, client `kvserve bench serve`
 # with token-id prompts (streaming /v1/completions, Poisson arrivals).
-# Usage (repo root): bash benchmarks/serve_load.sh kvserve|vllm MODEL_DIR "RATES" [WORKLOADS]
+# Usage (repo root): bash benchmarks/serve_load.sh kvserve|vllm MODEL_DIR "WORKLOAD:RATE[:N] ..."
 #   MODEL_DIR: config.json + tokenizer (benchmarks/make_dummy_model.py); both engines build dummy weights.
-#   env: N (requests per run, default 768), OUT (result folder), EXTRA (more server flags).
+#   N: requests of that run (default 768). env: OUT (result folder), EXTRA (more server flags).
 # vLLM comes from .vsite (../shared/peers/vllm/README.md); its site also carries kvserve's server deps.
 set -u
-engine=${1:?engine} dir=${2:?model dir} rates=${3:?rates} workloads=${4:-ide-completion}
+engine=${1:?engine} dir=${2:?model dir} runs=${3:?runs}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; port=8011
 export PYTHONPATH=$PWD:$PWD/.vsite PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
   VLLM_USE_FLASHINFER_SAMPLER=0
@@ -26,12 +26,11 @@ until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
   fi
 done
 echo "startup $(( $(date +%s) - start )) s"
-for w in $workloads; do
-  for r in $rates; do
-    echo "\$ kvserve bench serve --workload $w --num-prompts ${N:-768} --request-rate $r --tokenizer $dir"
-    timeout 300 python3 -m kvserve.cli bench serve --url "http://127.0.0.1:$port" --workload "$w" \
-      --num-prompts "${N:-768}" --request-rate "$r" --tokenizer "$dir" --max-len 8192 \
-      --save-json "$OUT/${engine}_${w}_${r}.json" 2>&1 | grep -v "^\s*$" | head -24
-  done
+for run in $runs; do
+  IFS=: read -r w r n <<< "$run"; n=${n:-768}
+  echo "\$ kvserve bench serve --workload $w --num-prompts $n --request-rate $r --tokenizer $dir --max-len 8192"
+  timeout 300 python3 -m kvserve.cli bench serve --url "http://127.0.0.1:$port" --workload "$w" \
+    --num-prompts "$n" --request-rate "$r" --tokenizer "$dir" --max-len 8192 \
+    --save-json "$OUT/${engine}_${w}_${r}.json" 2>&1 | grep -E "^(=|Succ|Failed|Bench|Request thr|latency|TTFT|ITL|E2E|Prefix|Preem|errors)" | cut -c1-160
 done
 kill $server; wait $server 2> /dev/null
