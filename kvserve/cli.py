@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -9,7 +10,11 @@ from typing import Any
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that builds an engine (vLLM's names)."""
     p.add_argument("--model", default=None, help="HF dir, .gguf file, or dummy:<shape> (default: embedded SmolLM2-135M)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="dummy: random weights of a dummy:<shape> or of an HF directory's config.json")
+    p.add_argument("--tokenizer", default=None, help="HF directory whose tokenizer replaces the model's")
+    p.add_argument("--hf-overrides", type=_json_object, default=None,
+                   help='JSON object merged into the model config, e.g. \'{"max_position_embeddings": 4096}\'')
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -34,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
+    return dict(model=a.model, load_format=a.load_format, tokenizer=a.tokenizer,
+                hf_overrides=a.hf_overrides, dtype=a.dtype, device=a.device,
                 block_size=a.block_size, enable_prefix_caching=a.enable_prefix_caching,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 max_model_len=a.max_model_len, num_kv_blocks=a.num_kv_blocks,
@@ -43,6 +49,16 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 eviction_policy=a.eviction_policy, preemption_mode=a.preemption_mode,
                 kv_rotation_interval=a.kv_rotation_interval,
                 scheduling_policy=a.scheduling_policy)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _sampling(a: argparse.Namespace):

@@ -119,6 +119,8 @@ class EngineArgs:
             raise ValueError(f"usage must be one of {', '.join(USAGES)}, got {self.usage!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config fields, got {self.hf_overrides!r}")
         # Validate cache knobs early, before any model loading.
         self.cache_config()
 

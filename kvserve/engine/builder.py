@@ -60,7 +60,7 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     device = resolve_device(args.device)
-    resolved = resolve_model(args.model, args.load_format, args.hf_overrides)
+    resolved = resolve_model(args.model, args.load_format, args.hf_overrides, args.tokenizer)
     config = resolved.config
     sched_config = args.scheduler_config(config.max_position_embeddings, *_device_memory(device))
     cache_config = args.cache_config()

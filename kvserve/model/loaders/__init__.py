@@ -1,6 +1,6 @@
 """Model loading in three steps the runner drives:
 
-    resolved = resolve_model(model, load_format, hf_overrides)  # config + tokenizer
+    resolved = resolve_model(model, load_format, hf_overrides, tokenizer)  # config + tokenizer
     layer_to_group = ...  # runner groups layers from resolved.config.layer_specs
     model = build_model(resolved.config, backend, layer_to_group, dtype, device)
     resolved.weights.load_into(model)
@@ -11,7 +11,7 @@ Formats (safetensors, gguf, dummy) register themselves in `base`.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -22,6 +22,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loaders import dummy, gguf_loader, safetensors_loader  # noqa: F401 (register)
 from kvserve.model.loaders.base import ResolvedModel, WeightSource, get_loader, register_loader
+from kvserve.model.loaders.hf_files import load_tokenizer
 
 __all__ = ["EMBEDDED_MODEL_NAME", "LoadedModel", "ResolvedModel", "WeightSource",
            "build_model", "detect_format", "embedded_gguf_path", "load_model",
@@ -59,11 +60,18 @@ def detect_format(model: str) -> str:
 
 
 def resolve_model(model: str | None, load_format: str = "auto",
-                  hf_overrides: dict[str, Any] | None = None) -> ResolvedModel:
-    """Config, weight source and tokenizer for `model` (None: embedded SmolLM2)."""
+                  hf_overrides: dict[str, Any] | None = None,
+                  tokenizer: str | None = None) -> ResolvedModel:
+    """Config, weight source and tokenizer for `model` (None: embedded SmolLM2).
+
+    `load_format="dummy"` takes a `dummy:` name or an HF directory's shape;
+    `tokenizer` (a directory) replaces the model's own tokenizer."""
     name = str(embedded_gguf_path()) if model is None else model
     fmt = detect_format(name) if load_format == "auto" else load_format
-    return get_loader(fmt)(name, hf_overrides)
+    resolved = get_loader(fmt)(name, hf_overrides)
+    if tokenizer is not None:
+        resolved = replace(resolved, tokenizer=load_tokenizer(tokenizer))
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:

@@ -1,18 +1,24 @@
 """Dummy (random, seeded) weights of named real or tiny shapes, like vLLM's
 `load_format="dummy"`: benchmarks on real shapes without a checkpoint.
 
+The shape is a `dummy:<name>` from `DUMMY_CONFIGS`, or an HF directory's
+config.json (weights, if any, are ignored; its tokenizer is loaded), so two
+engines can serve the same random model with the same tokenizer.
+
 Weights are drawn directly on the model's device, so an 8B model never
 passes through host memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.base import ResolvedModel, register_loader
+from kvserve.model.loaders.hf_files import read_json, tokenizer_in
 
 if TYPE_CHECKING:
     from kvserve.model.llama import LlamaForCausalLM
@@ -77,10 +83,27 @@ def _stable_hash(name: str) -> int:
 
 @register_loader("dummy")
 def resolve_dummy(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedModel:
+    if not model.startswith(PREFIX) and Path(model).is_dir():
+        return _resolve_hf_directory(model, hf_overrides)
     shape = model.removeprefix(PREFIX)
     if shape not in DUMMY_CONFIGS:
-        raise ValueError(f"unknown dummy model {model!r}; available: "
+        raise ValueError(f"unknown dummy model {model!r}; pass an HF directory with a "
+                         f"config.json or one of: "
                          f"{', '.join(PREFIX + name for name in DUMMY_CONFIGS)}")
     config = ModelConfig.from_hf_config(DUMMY_CONFIGS[shape], hf_overrides)
     return ResolvedModel(name=model, load_format="dummy", config=config,
                          weights=DummyWeights(), tokenizer=None)
+
+
+def _resolve_hf_directory(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedModel:
+    """The directory's config (and generation config, for eos ids) and tokenizer."""
+    directory = Path(model)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"load_format=dummy with directory {model!r} needs its "
+                                f"config.json, which is missing")
+    config = ModelConfig.from_hf_config(
+        read_json(config_path), hf_overrides,
+        generation_config=read_json(directory / "generation_config.json"))
+    return ResolvedModel(name=model, load_format="dummy", config=config,
+                         weights=DummyWeights(), tokenizer=tokenizer_in(directory))

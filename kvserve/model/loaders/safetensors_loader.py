@@ -2,7 +2,6 @@
 (+ optional tokenizer files and generation_config.json)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -12,12 +11,10 @@ from safetensors import safe_open
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.base import ResolvedModel, register_loader
+from kvserve.model.loaders.hf_files import read_json, tokenizer_in
 
 if TYPE_CHECKING:
     from kvserve.model.llama import LlamaForCausalLM
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
 
 @dataclass(frozen=True)
 class SafetensorsWeights:
@@ -45,21 +42,8 @@ def resolve_safetensors(model: str, hf_overrides: dict[str, Any] | None) -> Reso
     if not files:
         raise FileNotFoundError(f"{model!r} has no *.safetensors files")
     config = ModelConfig.from_hf_config(
-        _read_json(config_path), hf_overrides,
-        generation_config=_read_json(directory / "generation_config.json"))
+        read_json(config_path), hf_overrides,
+        generation_config=read_json(directory / "generation_config.json"))
     return ResolvedModel(name=model, load_format="safetensors", config=config,
-                         weights=SafetensorsWeights(files), tokenizer=_tokenizer(directory))
+                         weights=SafetensorsWeights(files), tokenizer=tokenizer_in(directory))
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def _tokenizer(directory: Path) -> Any | None:
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer  # heavy import, only when needed
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
