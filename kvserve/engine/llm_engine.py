@@ -341,9 +341,11 @@ class EngineStats:
     def record_step(self, out, seconds: float) -> None:
         self.num_steps += 1
         self.step_time_s += seconds
-        if any(s.num_new_tokens > 1 for s in out.scheduled):
+        # One pass over the batch: a step with any chunk of > 1 token counts as prefill time.
+        prompt_tokens = sum([n for s in out.scheduled if (n := s.num_new_tokens) > 1])
+        if prompt_tokens:
             self.prefill_time_s += seconds
-        self.num_prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        self.num_prompt_tokens += prompt_tokens
 
     def prefill_tokens_per_s(self) -> float | None:
         """Measured prefill throughput, once there is enough to measure."""
