@@ -1,0 +1,195 @@
+"""Host microseconds per engine step with N running decode requests.
+
+Measures the host work a step does besides the model: the scheduler
+(`schedule` + `update_after_step`), the engine's bookkeeping (block-id
+gathering, output processing, stats: the rest of `LLMEngine.step`), the
+metrics snapshot the server publishes after every step (`get_metrics`), and
+input preparation (`prepare_inputs`: host batch, block tables, uploads).
+"host total" is their sum. The forward/sampling launch and the wait for the
+step in flight are printed for context only: on CPU they are the model's
+compute, on CUDA the launch is Python kernel launches (or a graph replay).
+`--stub-forward` (CPU) replaces the transformer layers by zeros: the host
+parts do not depend on them, and a busy 2-core machine then finishes the run.
+
+    python benchmarks/host_step_bench.py --stub-forward      # CPU, tiny model
+    python benchmarks/host_step_bench.py --model dummy:qwen3-8b --device cuda
+
+Requests are staggered in prompt length so block-boundary allocations spread
+over steps as they do in a server, and every timed step is a decode of all N.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.runner import model_runner
+from kvserve.runner.model_runner import InFlightStep
+from kvserve.sampling_params import SamplingParams
+
+HOST_PARTS = ("schedule", "bookkeeping", "metrics", "input_prep")
+
+
+class StepTimer:
+    """Accumulates nanoseconds per part while `active`; wraps engine callables."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = defaultdict(int)
+        self.active = False
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.active:
+                    self.ns[part] += time.perf_counter_ns() - start
+        return timed
+
+    def take(self) -> dict[str, int]:
+        ns, self.ns = dict(self.ns), defaultdict(int)
+        return ns
+
+
+def stub_forward(engine: LLMEngine) -> None:
+    hidden = engine.model_config.hidden_size
+    runner = engine.runner
+    runner._forward = lambda inputs: torch.zeros(inputs.meta.num_tokens, hidden, device=runner.device)
+
+
+def instrument(engine: LLMEngine, timer: StepTimer) -> Callable[[], None]:
+    """Wrap the timed callables; returns the undo for the module-level ones."""
+    sched = engine.scheduler
+    sched.schedule = timer.wrap("schedule", sched.schedule)
+    sched.update_after_step = timer.wrap("schedule", sched.update_after_step)
+    runner = engine.runner
+    runner.launch = timer.wrap("launch", runner.launch)
+    prepare, resolve = model_runner.prepare_inputs, InFlightStep.resolve
+    model_runner.prepare_inputs = timer.wrap("input_prep", prepare)
+    InFlightStep.resolve = timer.wrap("wait", resolve)
+
+    def undo() -> None:
+        model_runner.prepare_inputs, InFlightStep.resolve = prepare, resolve
+    return undo
+
+
+def build_engine(a: argparse.Namespace, n: int) -> LLMEngine:
+    overrides = json.loads(a.hf_overrides) if a.hf_overrides else None
+    max_len = a.prompt_len + a.block_size + a.warmup + a.steps + 64
+    num_blocks = a.num_kv_blocks
+    if num_blocks is None and a.device == "cpu":  # the CPU default holds 4 sequences
+        num_blocks = 2 * n * -(-max_len // a.block_size) + 1
+    return LLMEngine(EngineArgs(
+        model=a.model, device=a.device, dtype=a.dtype, block_size=a.block_size,
+        max_num_seqs=n, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=max_len, num_kv_blocks=num_blocks, hf_overrides=overrides,
+        enforce_eager=a.enforce_eager, usage="server"))
+
+
+def add_requests(engine: LLMEngine, n: int, a: argparse.Namespace) -> None:
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=a.warmup + a.steps + 32, ignore_eos=True)
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(a.prompt_len + i % a.block_size)]
+        engine.add_request(engine.make_request(prompt, params))
+
+
+def all_decoding(engine: LLMEngine, n: int) -> bool:
+    running = engine.scheduler.running
+    return len(running) == n and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
+
+
+def measure(a: argparse.Namespace, n: int) -> dict[str, float]:
+    engine = build_engine(a, n)
+    timer = StepTimer()
+    undo = instrument(engine, timer)
+    try:
+        return run_steps(engine, timer, a, n)
+    finally:
+        undo()
+        del engine
+        gc.collect()  # the next engine sizes its KV cache from free device memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int) -> dict[str, float]:
+    if a.stub_forward:
+        stub_forward(engine)
+    add_requests(engine, n, a)
+    while not all_decoding(engine, n):
+        engine.step()
+    for _ in range(a.warmup):
+        engine.step()
+        engine.get_metrics()
+    samples = []
+    for _ in range(a.steps):
+        samples.append(timed_step(engine, timer))
+    # Medians: robust to other processes taking the CPU for a step.
+    return {part: statistics.median(s[part] for s in samples) / 1e3 for part in samples[0]}
+
+
+def timed_step(engine: LLMEngine, timer: StepTimer) -> dict[str, int]:
+    timer.active = True
+    start = time.perf_counter_ns()
+    engine.step()
+    step_ns = time.perf_counter_ns() - start
+    engine.get_metrics()  # what the server publishes after every step
+    metrics_ns = time.perf_counter_ns() - start - step_ns
+    timer.active = False
+    ns = timer.take()
+    launch, prep = ns.get("launch", 0), ns.get("input_prep", 0)
+    return {"schedule": ns.get("schedule", 0),
+            "bookkeeping": step_ns - ns.get("schedule", 0) - launch - ns.get("wait", 0),
+            "metrics": metrics_ns, "input_prep": prep,
+            "launch_rest": launch - prep, "wait": ns.get("wait", 0)}
+
+
+def print_table(rows: dict[int, dict[str, float]]) -> None:
+    head = ("running", *HOST_PARTS, "host_total", "launch_rest*", "wait*")
+    print(" ".join(f"{h:>12}" for h in head))
+    for n, r in rows.items():
+        total = sum(r[p] for p in HOST_PARTS)
+        cells = [r[p] for p in HOST_PARTS] + [total, r["launch_rest"], r["wait"]]
+        print(f"{n:>12} " + " ".join(f"{c:>12.1f}" for c in cells))
+    print("microseconds per step (median); * not host bookkeeping: forward/sampling launch "
+          "(CPU: the compute) and the wait for the step in flight")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="dummy:tiny-llama")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--running", default="32,128,256", help="comma-separated running-request counts")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--hf-overrides", default='{"max_position_embeddings": 4096}',
+                   help="JSON merged into the model config (the tiny models' 512 positions are too few)")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--stub-forward", action="store_true",
+                   help="zeros instead of the transformer layers (host parts unchanged)")
+    a = p.parse_args(argv)
+    rows = {n: measure(a, n) for n in (int(x) for x in a.running.split(","))}
+    print(f"model={a.model} device={a.device} prompt_len={a.prompt_len}(+0..{a.block_size - 1}) "
+          f"block_size={a.block_size} steps={a.steps} stub_forward={a.stub_forward}")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
