@@ -91,10 +91,11 @@ def prefix_cache_thrash(ev: dict[str, Any], cfg: dict[str, Any]) -> Finding | No
     per_block = cfg.get("bytes_per_block")
     if per_block and not cfg.get("cpu_kv_cache_gb"):
         fix = (f"--cpu-kv-cache-gb {max(extra_blocks * per_block / 1e9, 0.01):.2f} (a host tier holding the "
-               f"{extra_blocks} blocks of distinct prompt content), or --num-kv-blocks "
-               f"{cfg['num_blocks'] + extra_blocks}")
+               f"{extra_blocks} blocks of distinct prompt content seen in the window), or --num-kv-blocks "
+               f"{cfg['num_blocks'] + extra_blocks} or more")
     else:
-        fix = f"--num-kv-blocks {cfg['num_blocks'] + extra_blocks} (room for the distinct prompt content)"
+        fix = (f"--num-kv-blocks {cfg['num_blocks'] + extra_blocks} or more (room for the distinct prompt "
+               f"content seen in the window; a longer window gives a better bound)")
     fix += (f". Expected: hit rate {ev['hit_rate']:.0%} -> up to {reusable:.0%}, "
             f"~{_lost_reuse(ev) * ev['mean_prompt_tokens'] * ev['requests_arrived']:.0f} prompt tokens not recomputed")
     severity = "critical" if _lost_reuse(ev) >= 0.3 else "warning"
