@@ -192,7 +192,7 @@ class ThreadTransport:
 
     def recv(self, timeout_s: float | None) -> list[CoreInputs]:
         try:
-            first = self.inputs.get(timeout=timeout_s) if timeout_s else self.inputs.get_nowait()
+            first = self.inputs.get_nowait() if timeout_s == 0 else self.inputs.get(timeout=timeout_s)
         except queue.Empty:
             return []
         items = [first]
