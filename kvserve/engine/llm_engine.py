@@ -53,8 +53,6 @@ class LLMEngine:
         """Tokenize and validate; raises ValueError naming the limit. Does not enqueue."""
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
-        if params.structured is not None:
-            params.structured.bind(self._grammar_tokenizer_info())
         return Request(request_id=request_id or self.new_request_id(), prompt_token_ids=token_ids,
                        sampling_params=params, prompt=text, eos_token_ids=self.eos_token_ids)
 
@@ -71,16 +69,6 @@ class LLMEngine:
         if request is not None:
             self._forget(request)
             self._start_write_backs()
-
-    def _grammar_tokenizer_info(self):
-        """xgrammar's tokenizer info, built on the first structured request."""
-        if getattr(self, "_tokenizer_info", None) is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs a model with a tokenizer")
-            from kvserve.structured.grammar import tokenizer_info
-            self._tokenizer_info = tokenizer_info(self.tokenizer, self.model_config.vocab_size,
-                                                  self.eos_token_ids)
-        return self._tokenizer_info
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a text prompt as vLLM makes them: with the tokenizer's

@@ -181,14 +181,7 @@ class GenerationHandler:
             self._check_model(body.model)
         tok = self._need_tokenizer()
         if body.messages is not None:
-            messages = [m.as_template_message() for m in body.messages]
-            try:
-                ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
-                                              is not False, tokenize=True)
-            except Exception as e:
-                raise APIError(400, f"the chat template could not render these messages: {e}",
-                               param="messages") from e
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            ids = self._render_messages(body.messages, None, {}, body.add_generation_prompt is not False)
         else:
             ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False))
         return {"count": len(ids), "max_model_len": self.engine.engine.scheduler_config.max_model_len,
@@ -220,15 +213,19 @@ class GenerationHandler:
         return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
 
     def _render_chat(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
+        return self._render_messages(body.messages, tools, body.chat_template_kwargs or {}, True)
+
+    def _render_messages(self, chat_messages, tools: list[dict[str, Any]] | None,
+                         template_kwargs: dict[str, Any], add_generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template: use /v1/completions instead",
                            param="messages")
-        messages = tool_calls.messages_for_template([m.as_template_message() for m in body.messages],
+        messages = tool_calls.messages_for_template([m.as_template_message() for m in chat_messages],
                                                     tools, tok.chat_template)
         try:
-            ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                          **(body.chat_template_kwargs or {}))
+            ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, **template_kwargs)
         except Exception as e:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"the chat template could not render these messages: {e}",
                            param="messages") from e

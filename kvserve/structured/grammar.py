@@ -35,25 +35,15 @@ def _xgr():
 class StructuredSpec:
     """A compiled constraint; `kind` and `source` say what it was made from.
 
-    It crosses to the engine core pickled as the compiled grammar's JSON (a
-    millisecond each way), and the engine binds it to its own tokenizer info
-    on intake (`bind`)."""
+    The compiled grammar does not pickle: it crosses to the engine core as
+    xgrammar's JSON (kvserve/engine/core_protocol.py, a millisecond each way)."""
     kind: str
     source: str
     compiled: Any = None
-    compiled_json: str = ""
-
-    def __getstate__(self) -> dict[str, Any]:
-        serialized = self.compiled_json or self.compiled.serialize_json()
-        return {"kind": self.kind, "source": self.source, "compiled": None, "compiled_json": serialized}
-
-    def bind(self, tokenizer_info) -> None:
-        if self.compiled is None:
-            self.compiled = _xgr().CompiledGrammar.deserialize_json(self.compiled_json, tokenizer_info)
 
     def new_matcher(self) -> "GrammarMatcher":
         if self.compiled is None:
-            raise ValueError("the grammar was not bound to the engine's tokenizer")
+            raise ValueError("the grammar was not loaded against the engine's tokenizer")
         return GrammarMatcher(_xgr().GrammarMatcher(self.compiled))
 
 
