@@ -107,13 +107,15 @@ class Reference:
         kv = _rope(_rms(h @ w[p + "kv_proj.weight"].T, w[p + "kv_norm.weight"], cfg.rms_norm_eps), pos, freq)
         rate = cfg.compress_rates.get(kind, 0)
         entries = self._entries(h, p + "compressor.", rate, kind.startswith("compressed"), d, freq) if rate else None
+        index_keys = (self._entries(h, p + "compressor.indexer.", rate, True, cfg.index_head_dim, freq)
+                      if kind.startswith("compressed") else None)
         outs = []
         for t in range(len(h)):
             keys = [kv[s] for s in range(max(0, t - cfg.sliding_window + 1), t + 1)]
             if entries is not None:
                 visible = [e for e in range(len(entries)) if (e + 1) * rate - 1 <= t]
                 if kind.startswith("compressed"):
-                    visible = self._top_k(h, qr, i, t, visible)
+                    visible = self._top_k(h[t], qr[t], i, t, visible, index_keys)
                 keys += [entries[e] for e in visible]
             k = torch.stack(keys)
             logits = torch.cat([(q[t] @ k.T) / math.sqrt(d), w[p + "sinks"][:, None]], 1)
@@ -122,19 +124,12 @@ class Reference:
         wa = w[p + "o_a_proj.weight"].view(cfg.o_groups, cfg.o_lora_rank, -1)
         return torch.einsum("tgi,goi->tgo", o, wa).flatten(1) @ w[p + "o_b_proj.weight"].T
 
-    def _top_k(self, h, qr, i, t, visible):
+    def _top_k(self, h, qr, i, t, visible, keys):
+        """The indexer's index_topk best visible entries for the query at t (ties: earlier entry)."""
         cfg, w, p = self.cfg, self.w, f"model.layers.{i}.self_attn.compressor.indexer."
-        if not visible:
-            return []
-        keys = self._index_keys.get(i) if hasattr(self, "_index_keys") else None
-        if keys is None or keys[0] is not h:
-            ent = self._entries(h, p, cfg.compress_rates["compressed_sparse_attention"], True,
-                                cfg.index_head_dim, self.freq["compress"])
-            self._index_keys = {**getattr(self, "_index_keys", {}), i: (h, ent)}
-        ent = self._index_keys[i][1]
-        q = _rope((qr[t] @ w[p + "q_b_proj.weight"].T).view(cfg.index_n_heads, -1), float(t), self.freq["compress"])
-        hw = (h[t] @ w[p + "scorer.weights_proj.weight"].T) / math.sqrt(cfg.index_n_heads)
-        score = {e: float((hw * torch.relu(q @ ent[e]) / math.sqrt(cfg.index_head_dim)).sum()) for e in visible}
+        q = _rope((qr @ w[p + "q_b_proj.weight"].T).view(cfg.index_n_heads, -1), float(t), self.freq["compress"])
+        hw = (h @ w[p + "scorer.weights_proj.weight"].T) / math.sqrt(cfg.index_n_heads)
+        score = {e: float((hw * torch.relu(q @ keys[e]) / math.sqrt(cfg.index_head_dim)).sum()) for e in visible}
         return sorted(visible, key=lambda e: (-score[e], e))[:cfg.index_topk]
 
     def _moe(self, h, i, ids):
