@@ -91,3 +91,14 @@ def test_decode_bytes_match_a_brute_force_count():
         window, sink = getattr(spec, "window", n), getattr(spec, "sink", 0)
         return sum(1 for k in range(n) if p - k < window or k < sink)
     assert tally.bytes == 10 * sum(visible(s, n) for s in specs for n in (20, 6)) and tally.steps == 1
+
+
+@pytest.mark.gpu
+def test_profile_on_gpu_times_the_decode_kernel(tmp_path, capsys):
+    """Device kernels, the Triton decode kernel matched by name, GB/s against the measured limit."""
+    assert main(["profile", "--model", "dummy:tiny-llama", "--load-format", "dummy", "--max-model-len", "256",
+                 "--num-prompts", "8", "--input-len", "64", "--output-len", "16", "--enforce-eager",
+                 "--trace", str(tmp_path / "trace.json")]) == 0
+    text = capsys.readouterr().out
+    assert "device kernels" in text and "decode attention (kernels)" in text
+    assert "of the measured copy limit" in text

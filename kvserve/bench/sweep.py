@@ -93,7 +93,25 @@ def run_offline(a: argparse.Namespace, block_size: int, budget: int) -> tuple[Sw
     requests = [DriveRequest(p[:max_len - 2], max(1, min(w.max_tokens, max_len - min(len(p), max_len - 2))), w.after)
                 for p, w in zip(prompts, workload)]
     result = run_recorded(llm, requests)
+    del llm, engine
+    _release_device_memory()  # the next setting builds a new engine on the same device
     return row_from_record(block_size, budget, result.record, result.elapsed_s, result.itl_s), result.record
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()  # engine parts reference each other: refcounting alone does not free them
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def pool_gb(cfg: dict[str, Any]) -> float:
+    """KV pool size; NaN when the record lacks bytes per block (a server whose
+    engine core runs in another process publishes block counts only)."""
+    per_block = cfg.get("bytes_per_block")
+    return cfg["num_blocks"] * per_block / 1e9 if per_block else float("nan")
 
 
 def row_from_record(block_size: int, budget: int, record, elapsed_s: float, itl_s: list[float]) -> SweepRow:
@@ -101,11 +119,9 @@ def row_from_record(block_size: int, budget: int, record, elapsed_s: float, itl_
     window = Window(record.samples, record.config, record.requests)
     ev = window.evidence()
     ttft = np.asarray([s.ttft_s for s in window.splits]) * 1e3
-    cfg = record.config
-    pool_gb = cfg["num_blocks"] * cfg["bytes_per_block"] / 1e9
     return SweepRow(block_size, budget, ev["hit_rate"], len(record.requests) / elapsed_s,
                     _stat(ttft, "mean"), _stat(ttft, 95), _stat(np.asarray(itl_s) * 1e3, 95),
-                    ev["kv_usage_max"] * pool_gb, ev["kv_usage_max"], ev["fragmentation_mean"],
+                    ev["kv_usage_max"] * pool_gb(record.config), ev["kv_usage_max"], ev["fragmentation_mean"],
                     ev["evictions"] / elapsed_s, int(ev["preemptions"]))
 
 
@@ -134,7 +150,8 @@ def format_table(rows: list[SweepRow]) -> str:
             f"{'ITL p95':>9}{'KV used':>14}{'frag':>7}{'evict/s':>9}{'preempt':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        used = f"{r.kv_used_gb:.2f}GB" if r.kv_used_gb >= 1 else f"{r.kv_used_gb * 1e3:.1f}MB"
+        used = ("n/a" if math.isnan(r.kv_used_gb) else f"{r.kv_used_gb:.2f}GB" if r.kv_used_gb >= 1
+                else f"{r.kv_used_gb * 1e3:.1f}MB")
         kv = f"{used} {r.kv_used_pct:.0%}"
         lines.append(f"{r.block_size:>6}{r.budget:>8}{r.hit_rate:>10.1%}{r.req_per_s:>9.2f}{r.ttft_mean_ms:>11.1f}"
                      f"{r.ttft_p95_ms:>10.1f}{r.itl_p95_ms:>9.1f}{kv:>14}{r.fragmentation:>7.1%}"

@@ -13,7 +13,7 @@ import urllib.request
 
 import numpy as np
 
-from kvserve.bench.sweep import SweepRow, engine_kwargs
+from kvserve.bench.sweep import SweepRow, engine_kwargs, pool_gb
 from kvserve.bench.workloads import generate_workload
 from kvserve.diagnose.record import Record
 
@@ -95,11 +95,9 @@ def _row(block_size: int, budget: int, record: Record, results, duration: float,
     ok = [r for r in results if r.ok]
     ttft = np.asarray([r.ttft for r in ok]) * 1e3
     itl = np.asarray([x for r in ok for x in r.itl]) * 1e3
-    cfg = record.config
-    pool_gb = cfg["num_blocks"] * cfg["bytes_per_block"] / 1e9
     pct = lambda v, q: float(np.percentile(v, q)) if v.size else float("nan")  # noqa: E731
     peak = max((s.usage for s in kv_samples), default=ev["kv_usage_max"])
     frag = float(np.mean([s.fragmentation for s in kv_samples])) if kv_samples else ev["fragmentation_mean"]
     return SweepRow(block_size, budget, ev["hit_rate"], len(ok) / duration,
                     float(ttft.mean()) if ttft.size else float("nan"), pct(ttft, 95), pct(itl, 95),
-                    peak * pool_gb, peak, frag, ev["evictions"] / duration, int(ev["preemptions"]))
+                    peak * pool_gb(record.config), peak, frag, ev["evictions"] / duration, int(ev["preemptions"]))
