@@ -69,17 +69,6 @@ class BlockFill:
             self.remove(block_id, old_fill)
             self.add(block_id, new_fill)
 
-    def grow(self, block_id: int, fill: int) -> None:
-        """One holder's fill went from `fill` to `fill + 1` (a decode step)."""
-        fills = self._fills.get(block_id)
-        if fills is not None and fills.get(fill) == 1 and len(fills) == 1:
-            # The sole holder, as of every partly filled block in practice: hot path.
-            del fills[fill]
-            fills[fill + 1] = 1
-            self.used_slots += 1
-        else:
-            self.move(block_id, fill, fill + 1)
-
     def fragmentation(self) -> float:
         """Share of slots in held blocks that hold no token (0.0 when none is held)."""
         if not self.num_held:
@@ -114,11 +103,18 @@ class HeldTables:
         entries in between."""
         if old == end:
             return
-        if end == old + 1:  # a decode step: one slot of one entry per group
+        if end == old + 1:  # a decode step: one slot of one entry per group (hot path)
             index, slots = divmod(old, self.block_size)
+            fill = self.fill
             for table in self._ids[request_id]:
-                if index < len(table) and table[index] != NULL_BLOCK_ID:
-                    self.fill.grow(table[index], slots)
+                if index < len(table):
+                    fills = fill._fills.get(table[index])
+                    if fills is not None and len(fills) == 1 and fills.get(slots) == 1:
+                        del fills[slots]  # the sole holder, as of every partly filled block in practice
+                        fills[slots + 1] = 1
+                        fill.used_slots += 1
+                    elif table[index] != NULL_BLOCK_ID:
+                        fill.move(table[index], slots, slots + 1)
             return
         fill, ids = self.fill, self._ids[request_id]
         start, stop = min(old, end) // self.block_size, -(-max(old, end) // self.block_size)
