@@ -177,3 +177,30 @@ def test_debug_endpoint_serves_config_and_full_metrics():
         body = client.get("/debug/kvserve").json()
     assert body["config"]["block_size"] == 8 and body["config"]["num_blocks"] == 100
     assert isinstance(body["requests"], list) and isinstance(body["metrics"], dict)
+
+
+def test_recorder_reuse_matches_longest_common_prefix():
+    """Reusable tokens at block size B: the longest prefix shared with any earlier
+    prompt, in whole blocks, at most prompt - 1 tokens (brute force over pairs)."""
+    from types import SimpleNamespace
+
+    from kvserve.diagnose.recorder import RequestRecorder
+    rng = random.Random(5)
+    base = _tokens(rng, 150)
+    prompts = [base[:n] + _tokens(rng, m) for n, m in ((0, 120), (37, 40), (100, 3), (150, 0), (64, 64), (5, 90))]
+    recorder = RequestRecorder(block_size=16)
+    for p in prompts:
+        recorder.on_arrival(SimpleNamespace(prompt_token_ids=p))
+
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+    for b in (8, 16, 32, 64):
+        expect = 0
+        for i, p in enumerate(prompts):
+            shared = max((common(p, q) for q in prompts[:i]), default=0)
+            expect += min(shared // b * b, (len(p) - 1) // b * b)
+        assert recorder.reusable_tokens[b] == expect, b
+    assert recorder.as_dict()["prefix_reusable_tokens"] == recorder.reusable_tokens[16] > 0

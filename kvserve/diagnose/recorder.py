@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvserve.request import Request
 
 CANDIDATE_BLOCK_SIZES = (8, 16, 32, 64)
-MAX_SEEN_CHUNKS = 1 << 21
+MAX_SEEN_CHUNKS = 1 << 18  # ~2M prompt tokens of history, ~40 MB
 RECENT_REQUESTS = 256
 
 
