@@ -1,0 +1,109 @@
+"""Logits processors of the batched sampler against a float64 reference
+written from their definitions (vLLM's):
+  - repetition_penalty r: a token seen in the prompt or output has its logit
+    divided by r when positive, multiplied by r when not;
+  - frequency_penalty f, presence_penalty p: logit -= f * count(output) + p * [count > 0];
+  - logit_bias: logit += bias;
+  - min_tokens: eos and stop_token_ids are impossible before min_tokens outputs.
+Several steps run greedily, so the counts must include the tokens the
+sampler itself produced (still on the device in a pipelined engine).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvserve.runner.sampler import RequestFailed, Sampler
+from kvserve.sampling_params import SamplingParams
+
+VOCAB = 40
+EOS = 1
+
+
+def reference(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int],
+              num_out: int) -> list[float]:
+    x = [float(v) for v in logits]
+    for token, bias in (params.logit_bias or {}).items():
+        x[token] += bias
+    if num_out < params.min_tokens:
+        for token in {EOS, *(params.stop_token_ids or [])}:
+            x[token] = float("-inf")
+    seen = set(prompt) | set(output)
+    for t in range(len(x)):
+        count = output.count(t)
+        if t in seen and params.repetition_penalty != 1.0:
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+        x[t] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+    return x
+
+
+CASES = [
+    SamplingParams(temperature=0, repetition_penalty=1.7),
+    SamplingParams(temperature=0, frequency_penalty=0.9, presence_penalty=0.4),
+    SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=1.5),
+    SamplingParams(temperature=0, logit_bias={3: 6.0, 7: -100.0, 11: 2.5}),
+    SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5], max_tokens=8),
+    SamplingParams(temperature=0),
+]
+
+
+def test_processed_logits_and_greedy_tokens_match_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(len(CASES), VOCAB, generator=gen, dtype=torch.float64) * 3
+    base[4, EOS] = base[4, 5] = 50.0     # eos / stop id would win without min_tokens
+    sampler = Sampler(0, torch.device("cpu"))
+    prompts = [[2, 3, 9, 9, 30] for _ in CASES]
+    outputs: list[list[int]] = [[] for _ in CASES]
+    ids = [f"r{i}" for i in range(len(CASES))]
+    for i, rid in enumerate(ids):
+        sampler.track(SimpleNamespace(request_id=rid, prompt_token_ids=prompts[i], output_token_ids=[],
+                                      eos_token_ids=frozenset({EOS})))
+    for step in range(6):
+        logits = base.float()
+        states = sampler._states_for(CASES, ids)
+        got = sampler._process(logits, CASES, states)
+        for i, p in enumerate(CASES):
+            want = torch.tensor(reference(base[i].tolist(), p, prompts[i], outputs[i], step), dtype=torch.float64)
+            assert torch.allclose(got[i].double(), want, atol=1e-4), (step, i)
+        tokens = sampler.sample(logits, CASES, ids).resolve().token_ids
+        for i, token in enumerate(tokens):
+            want = reference(base[i].tolist(), CASES[i], prompts[i], outputs[i], step)
+            assert token == max(range(VOCAB), key=lambda t: want[t]), (step, i)
+            outputs[i].append(token)
+    assert outputs[4][:3] != [EOS] * 3 and EOS not in outputs[4][:3] and 5 not in outputs[4][:3]
+    assert outputs[4][3] in (EOS, 5)          # allowed again from the min_tokens-th token on
+    assert all(t == 3 for t in outputs[3])    # the +6 bias wins every step
+    assert len(set(outputs[1])) > 1           # the frequency penalty moves greedy off its first pick
+
+
+def test_penalty_slots_are_reused_and_reset():
+    sampler = Sampler(0, torch.device("cpu"))
+    params = [SamplingParams(temperature=0, frequency_penalty=2.0)]
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4] = 1.0
+    first = [sampler.sample(logits, params, ["a"]).resolve().token_ids[0] for _ in range(3)]
+    assert first[0] == 4 and first[1] != 4
+    sampler.forget("a")
+    again = [sampler.sample(logits, params, ["b"]).resolve().token_ids[0] for _ in range(3)]
+    assert again == first                     # the freed slot starts from zero counts
+
+
+def test_a_row_whose_state_fails_is_named():
+    sampler = Sampler(0, torch.device("cpu"))
+    bad = SamplingParams(temperature=1.0, seed=7)
+    original = sampler._new_state
+    sampler._new_state = lambda p, rid: (_ for _ in ()).throw(RuntimeError("boom")) if rid == "bad" \
+        else original(p, rid)
+    with pytest.raises(RequestFailed) as info:
+        sampler.sample(torch.zeros(2, VOCAB), [SamplingParams(), bad], ["ok", "bad"])
+    assert info.value.request_ids == ["bad"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(seed=2 ** 64), dict(top_k=2 ** 40), dict(presence_penalty=3.0),
+                                    dict(repetition_penalty=0.0), dict(logit_bias={1: 101.0}),
+                                    dict(min_tokens=20, max_tokens=10)])
+def test_out_of_range_params_are_rejected_at_construction(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
