@@ -188,3 +188,24 @@ def test_shared_block_counts_once_at_its_fullest() -> None:
         assert (fill.num_held, fill.used_slots) == (len(largest), sum(largest.values()))
     with pytest.raises(RuntimeError, match="no holder"):
         fill.remove(99, 3)
+
+
+def test_engine_metrics_match_the_walk_every_step() -> None:
+    from kvserve.config import EngineArgs
+    from kvserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineArgs(model="dummy:tiny-qwen3", device="cpu", block_size=4,
+                                  num_kv_blocks=64, max_model_len=48, max_num_batched_tokens=24))
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 256) for _ in range(9)]
+    for i in range(6):
+        prompt = shared[:rng.randint(1, 9)] + [rng.randrange(3, 256) for _ in range(rng.randint(1, 14))]
+        engine.add_request(engine.make_request(prompt, SamplingParams(max_tokens=rng.randint(3, 12),
+                                                                      ignore_eos=True)))
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics, kv = engine.get_metrics(), engine.kv_cache
+        assert metrics["kv_cache_fragmentation"] == walked_fragmentation(kv)
+        assert metrics["kv_cache_usage_perc"] == pytest.approx(walked_usage(kv), abs=1e-12)
+        seen.add(metrics["kv_cache_fragmentation"])
+    assert engine.get_metrics()["kv_cache_fragmentation"] == 0.0 and len(seen) > 3
