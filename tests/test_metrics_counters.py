@@ -209,3 +209,46 @@ def test_engine_metrics_match_the_walk_every_step() -> None:
         assert metrics["kv_cache_usage_perc"] == pytest.approx(walked_usage(kv), abs=1e-12)
         seen.add(metrics["kv_cache_fragmentation"])
     assert engine.get_metrics()["kv_cache_fragmentation"] == 0.0 and len(seen) > 3
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: `done` says whether the device reached it."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            raise AssertionError("the metrics snapshot waited for a copy in flight")
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return 2.0  # ms
+
+
+def test_copy_metrics_snapshot_does_not_wait_for_copies_in_flight() -> None:
+    import torch
+    from kvserve.runner.kv_transfer import KVTransfer
+    transfer = KVTransfer(torch.zeros(1, 2, 4, 2, 1, 2), 4, torch.device("cpu"))
+    landed, in_flight = _FakeEvent(True), _FakeEvent(False)
+    transfer._timings += [(_FakeEvent(True), landed), (_FakeEvent(True), in_flight)]
+    assert transfer.metrics(wait=False)["kv_host_load_wait_s"] == pytest.approx(0.002)
+    in_flight.done = True
+    assert transfer.metrics()["kv_host_load_wait_s"] == pytest.approx(0.004)
+
+
+def test_engine_snapshot_waits_for_copies_only_when_idle() -> None:
+    from kvserve.config import EngineArgs
+    from kvserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineArgs(model="dummy:tiny-llama", device="cpu", num_kv_blocks=64,
+                                  max_model_len=64, cpu_kv_cache_gb=0.001))
+    waits = []
+    metrics = engine.runner.kv_transfer.metrics
+    engine.runner.kv_transfer.metrics = lambda wait=True: waits.append(wait) or metrics(wait)
+    engine.add_request(engine.make_request([5, 6, 7, 8], SamplingParams(max_tokens=3)))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.get_metrics()
+    assert waits[:-1] and not any(waits[:-1]) and waits[-1] is True

@@ -310,7 +310,9 @@ class LLMEngine:
     def _transfer_metrics(self) -> dict[str, Any]:
         transfer = self.runner.kv_transfer
         if transfer is not None:
-            return transfer.metrics()
+            # While steps run (a server snapshots after each), reading copy times
+            # must not wait for the copies in flight: they count once landed.
+            return transfer.metrics(wait=not self.has_unfinished_requests())
         return {"kv_host_blocks_to_host": 0, "kv_host_blocks_to_gpu": 0, "kv_host_bytes_to_host": 0,
                 "kv_host_bytes_to_gpu": 0, "kv_host_blocks_prefetched": 0, "kv_host_load_wait_s": 0.0}
 

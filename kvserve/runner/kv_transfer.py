@@ -249,8 +249,10 @@ class KVTransfer:
             return None
         return moved / self.stats.copy_time_s
 
-    def metrics(self) -> dict[str, float]:
-        self._harvest(wait=True)
+    def metrics(self, wait: bool = True) -> dict[str, float]:
+        """Copy counters; `wait=False` times only copies that have landed, so a
+        snapshot taken while steps run never waits for the device."""
+        self._harvest(wait=wait)
         s = self.stats
         return {"kv_host_blocks_to_host": s.blocks_to_host, "kv_host_blocks_to_gpu": s.blocks_to_gpu,
                 "kv_host_bytes_to_host": s.bytes_to_host, "kv_host_bytes_to_gpu": s.bytes_to_gpu,
