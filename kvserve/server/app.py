@@ -70,7 +70,8 @@ def build_app(engine, served_model_name: str, max_waiting_requests: int | None =
     _add_routes(app, handler, metrics, served_model_name)
     add_debug_routes(app, metrics, async_engine)  # GET /debug/kvserve (kvserve diagnose --url)
     _add_middleware(app, options)
-    app.openapi = lambda: _openapi(app)
+    vocab_size = async_engine.engine.model_config.vocab_size
+    app.openapi = lambda: _openapi(app, vocab_size)
     return app
 
 
@@ -210,9 +211,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
     return param, f"{'.'.join(loc)}: {message}" if param else message
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, vocab_size: int) -> dict[str, Any]:
     """FastAPI's schema, corrected to what the server answers: validation errors
-    are 400 with the OpenAI error body, never 422."""
+    are 400 with the OpenAI error body, never 422; token ids stop at the vocabulary."""
     if app.openapi_schema:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
@@ -229,5 +230,17 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                                  "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                                                 "param": {"type": ["string", "null"]},
                                                 "code": {"type": ["string", "null"]}}}}}
+    _bound_token_ids(schema, vocab_size - 1)
     app.openapi_schema = schema
     return schema
+
+
+def _bound_token_ids(node: Any, max_id: int) -> None:
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node["maximum"] = max_id
+        for value in node.values():
+            _bound_token_ids(value, max_id)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, max_id)

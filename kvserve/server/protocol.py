@@ -10,13 +10,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      field_validator, model_validator)
 
 INT32_MAX = 2 ** 31 - 1
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer, so the API does too (never "3")."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
+# The published schema's maximum is the model's vocabulary (app._openapi fills it in).
+TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX, json_schema_extra={"x-token-id": True})]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Unsupported = Annotated[None, Field(description="Not supported by this server: only null is accepted.")]
@@ -122,15 +133,15 @@ class _SamplingFields(_Strict):
     """Fields shared by both endpoints."""
 
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_tokens: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    top_k: Int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: StrictInt | None = Field(default=None, ge=1, le=64)
+    n: Int | None = Field(default=None, ge=1, le=64)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = None
-    seed: StrictInt | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: StrictBool | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
@@ -138,7 +149,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logit_bias: dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    min_tokens: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    min_tokens: Int | None = Field(default=None, ge=0, le=INT32_MAX)
     user: StrictStr | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -215,7 +226,7 @@ Prompt = Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: StrictBool | None = None
     best_of: Literal[1] | None = None
     suffix: Unsupported = None
@@ -262,9 +273,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
