@@ -408,7 +408,8 @@ def test_a_burst_of_1000_requests_is_queued_and_served(tmp_path):
         async def burst():
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
             async with httpx.AsyncClient(base_url=live.url, timeout=600, limits=limits) as http:
-                bodies = [{"model": "tiny", "prompt": [3 + i % 100, 7, 9], "max_tokens": 2} for i in range(1000)]
+                bodies = [{"model": "tiny", "prompt": [3 + i % 100, 7, 9], "max_tokens": 2,
+                           "ignore_eos": True} for i in range(1000)]
                 return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
         responses = asyncio.run(burst())
         codes = [r.status_code for r in responses]
