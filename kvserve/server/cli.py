@@ -19,6 +19,14 @@ def add_serve_parser(sub: Any) -> None:
                        help="opt-in bound: requests allowed to wait beyond --max-num-seqs before "
                             "429 + Retry-After (default: unbounded, as vLLM)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 routes (401 otherwise)")
+    serve.add_argument("--allowed-origins", nargs="*", default=["*"], help="CORS origins (none: no CORS)")
+    serve.add_argument("--generation-config", default="auto",
+                       help="auto: sampling defaults from the model's generation_config.json; vllm: none; "
+                            "or a folder holding one")
+    serve.add_argument("--enable-vllm-metrics", action="store_true",
+                       help="also export /metrics under vLLM's names (vllm:*, model_name label)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -39,6 +47,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = a.served_model_name or default_model_name(a.model)
     # The engine core is built in its own process from these args (kvserve/engine/core_process.py).
-    app = build_app(EngineArgs(**engine_kwargs(a), usage="server"), name, a.max_waiting_requests)
+    app = build_app(EngineArgs(**engine_kwargs(a), usage="server"), name, a.max_waiting_requests,
+                    _server_options(a))
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
+
+
+def _server_options(a: argparse.Namespace):
+    from kvserve.server.app import ServerOptions
+    from kvserve.server.generation_config import generation_defaults
+    defaults = generation_defaults(a.model, a.generation_config)
+    return ServerOptions(api_key=a.api_key or None, allowed_origins=tuple(a.allowed_origins or ()),
+                         generation_defaults=tuple(defaults.items()),
+                         enable_vllm_metrics=a.enable_vllm_metrics)
