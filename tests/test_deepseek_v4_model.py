@@ -26,6 +26,15 @@ CHECKPOINT_FORM = {k: v for k, v in HF_FORM.items()
     "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64}}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: torch's thread pool costs far more than the math on a busy host."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def test_both_config_forms_agree():
     assert DeepseekV4Config.from_hf_config(HF_FORM) == DeepseekV4Config.from_hf_config(CHECKPOINT_FORM)
 

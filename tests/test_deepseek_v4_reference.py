@@ -13,6 +13,15 @@ from tests.v4_reference import Reference
 from tests.v4_tiny import CSA, HCA, SLIDING, tiny_v4_model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: torch's thread pool costs far more than the math on a busy host."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

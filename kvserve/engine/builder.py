@@ -59,6 +59,9 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
+    from kvserve.model.deepseek_v4.engine import build_v4_engine_parts, is_v4_model
+    if is_v4_model(args.model):  # per-group V4 pages and its own runner
+        return build_v4_engine_parts(args)
     device = resolve_device(args.device)
     resolved = resolve_model(args.model, args.load_format, args.hf_overrides, args.tokenizer)
     config = resolved.config

@@ -1,0 +1,106 @@
+"""DeepSeek V4 through the engine: per-group pages in the one block pool
+(sliding K=V, compressor state, CSA entries + indexer keys, HCA entries),
+chunked prefill that splits compression windows, prefix caching that restores
+the compressor state, preemption by recompute. References: transformers'
+generate (configs without indexer ties) and the float64 reference (with ties)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.entrypoints.llm import LLM
+from kvserve.model.deepseek_v4.generate import greedy_generate
+from kvserve.model.deepseek_v4.loader import load_deepseek_v4
+from kvserve.sampling_params import SamplingParams
+from tests.v4_reference import Reference
+from tests.v4_tiny import CSA, HCA, SLIDING, hf_greedy, tiny_v4_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: torch's thread pool costs far more than the math on a busy host."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(path, prompts, max_tokens, **engine_kwargs):
+    llm = LLM(str(path), max_model_len=160, **engine_kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """CSA + HCA + sliding layers; 16 indexer heads so transformers' top-k has no ties."""
+    path = tmp_path_factory.mktemp("v4mixed")
+    hf = tiny_v4_model([CSA, HCA, SLIDING], index_n_heads=16)
+    hf.save_pretrained(path)
+    prompts = _prompts((1, 6, 23, 70))
+    return path, prompts, [hf_greedy(hf, p, 24) for p in prompts]
+
+
+def test_engine_matches_transformers_generate(mixed):
+    path, prompts, expected = mixed
+    got, llm = _run(path, prompts, 24, block_size=16, max_num_batched_tokens=13)
+    assert got == expected
+    metrics = llm.engine.get_metrics()
+    assert metrics["num_requests_running"] == 0 and metrics["kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("budget", [5, 13])
+def test_block_sizes_caching_and_chunks(mixed, block_size, caching, budget):
+    path, prompts, expected = mixed
+    shared = prompts[3][:40]  # two requests share 40 tokens: hits split compression windows
+    got, llm = _run(path, [prompts[3], shared + prompts[2]], 8, block_size=block_size,
+                    enable_prefix_caching=caching, max_num_batched_tokens=budget)
+    assert got[0] == expected[3][:8]
+    assert got[1] == greedy_generate(load_deepseek_v4(str(path)), [shared + prompts[2]], 8)[0]
+    assert (llm.engine.get_metrics()["prefix_cache_hits"] > 0) == caching
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_preemption_by_recompute(mixed, block_size):
+    path, prompts, expected = mixed
+    blocks = {8: 60, 32: 22}[block_size]
+    got, llm = _run(path, prompts, 24, block_size=block_size, max_num_batched_tokens=13,
+                    num_kv_blocks=blocks, max_num_seqs=4)
+    assert llm.engine.get_metrics()["num_preemptions"] > 0
+    assert got == expected
+
+
+def test_multi_turn_hits(mixed):
+    path, prompts, _ = mixed
+    llm = LLM(str(path), max_model_len=160, block_size=8, max_num_batched_tokens=13)
+    model = load_deepseek_v4(str(path))
+    history = prompts[3]  # 70 tokens: block-granular hits can reach 90% of a turn
+    for turn in range(3):
+        before = llm.engine.get_metrics()["prefix_cache_hits"]
+        out = llm.generate([{"prompt_token_ids": history}], SamplingParams(max_tokens=6, temperature=0.0),
+                           use_tqdm=False)[0].outputs[0].token_ids
+        assert list(out) == greedy_generate(model, [history], 6)[0]
+        hits = llm.engine.get_metrics()["prefix_cache_hits"] - before
+        if turn:
+            assert hits >= 0.9 * previous_len
+        previous_len = len(history) + len(out)
+        history = history + list(out) + _prompts((5,), seed=turn)[0]
+
+
+def test_csa_with_ties_matches_float64_reference(tmp_path):
+    hf = tiny_v4_model([CSA, CSA])
+    hf.save_pretrained(tmp_path)
+    prompts = _prompts((3, 17))
+    expected = [Reference(hf).greedy(p, 10) for p in prompts]
+    for block_size, caching in ((8, True), (16, False)):
+        got, _ = _run(tmp_path, prompts, 10, block_size=block_size, enable_prefix_caching=caching,
+                      max_num_batched_tokens=5)
+        assert got == expected
