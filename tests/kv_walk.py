@@ -64,7 +64,15 @@ def write_and_read(manager: KVCacheManager, kv: SlotContents, request: Request,
             assert not block.is_null and block.ref_cnt == 1, "writing into a shared/NULL block"
             kv[(block.block_id, pos % bs)] = tuple(tokens[:pos + 1])
         spec = group.spec
-        for key in set(range(spec.visible_start(start), end)) | set(range(min(spec.sink, end))):
+        for key in set(range(first_visible_key(spec, start), end)) | set(range(min(spec.sink, end))):
             assert ids[key // bs] != 0, f"key {key} needed but NULL in {spec.describe()}"
             assert kv.get((ids[key // bs], key % bs)) == tuple(tokens[:key + 1]), \
                 f"wrong KV for key {key} of {request.request_id} in {spec.describe()}"
+
+
+def first_visible_key(spec, query_pos: int) -> int:
+    """The first key outside the sink a query at `query_pos` reads, from the
+    spec's own fields (a query at p sees k <= p with p - k < window), not the
+    package's `visible_start`: a wrong window there must not hide here."""
+    window = getattr(spec, "window", None)
+    return 0 if window is None else max(0, query_pos - (window - 1))

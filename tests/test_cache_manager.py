@@ -74,12 +74,18 @@ def test_sliding_window_memory_bound(block_size, sink):
     manager = KVCacheManager(make_kv_cache_groups([spec] * 2), 600, block_size)
     request = _request("a", [7] * 5)
     _admit(manager, request)
-    bound = math.ceil(window / block_size) + 2 + math.ceil(sink / block_size)
+    peak = 0
     for step in range(500):
+        query = request.num_computed_tokens
         _decode(manager, request, step % 50)
-        held = [b for b in manager.get_block_ids("a")[0] if b != 0]
-        assert len(held) <= bound
-    assert manager.num_blocks_needed(10_000) <= bound
+        # Exactly the blocks of keys [query - window + 1, query] and of the sink.
+        keys = set(range(max(0, query - window + 1), query + 1)) | set(range(min(sink, query + 1)))
+        held = {i for i, b in enumerate(manager.get_block_ids("a")[0]) if b != 0}
+        assert held == {k // block_size for k in keys}, step
+        peak = max(peak, len(held))
+    # A window of 40 keys straddles at most cdiv(39, block_size) + 1 blocks.
+    assert peak == math.ceil((window - 1) / block_size) + 1 + math.ceil(sink / block_size)
+    assert manager.num_blocks_needed(10_000) == peak  # both layers share one group
     manager.free(request)
     assert manager.usage == 0.0
 

@@ -44,24 +44,55 @@ def test_gpu_greedy_matches_hf_on_gpu(tmp_path, kind, eager):
     assert got == _hf_greedy_cuda(path, prompts)
 
 
+def _record_forwards(llm) -> list[tuple[bool, int]]:
+    """(decode-only, num_seqs) of every forward the runner is asked for."""
+    runner, calls = llm.engine.runner, []
+    forward = runner._forward
+
+    def recording(inputs):
+        calls.append((inputs.meta.is_decode_only, inputs.meta.num_seqs))
+        return forward(inputs)
+    runner._forward = recording
+    return calls
+
+
 def test_cuda_graph_replay_equals_eager_for_random_batch_sizes(tmp_path):
     """Random batch sizes, and contexts on both sides of the short-context
-    bucket (500 + 12 tokens crosses it mid-decode)."""
+    bucket (500 + 12 tokens crosses it mid-decode). Every decode-only step
+    replays a graph (counted per (size, bucket) by the runner), none falls
+    back to eager, and tokens and logprobs equal an enforce_eager run."""
     path = save_tiny_checkpoint("qwen3-hybrid", tmp_path / "q", max_position_embeddings=1024)
     rng = random.Random(0)
     eager = LLM(str(path), dtype="float32", device="cuda", max_model_len=1024, enforce_eager=True, max_num_seqs=48,
                 kv_cache_memory_gb=1)
     graphs = LLM(str(path), dtype="float32", device="cuda", max_model_len=1024, max_num_seqs=48, kv_cache_memory_gb=1)
-    assert graphs.engine.runner.graphs is not None
-    assert graphs.engine.runner.graphs.buckets == [512, 1024]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert eager.engine.runner.graphs is None
+    decode_graphs = graphs.engine.runner.graphs
+    assert decode_graphs is not None and decode_graphs.buckets == [512, 1024]
+    assert not decode_graphs.num_replays  # capture is not a replay
+    eager_calls, graph_calls = _record_forwards(eager), _record_forwards(graphs)
+    eager_forwards_before = graphs.engine.runner.num_eager_forwards
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     for trial in range(4):
         n = rng.randint(1, 45)
         lengths = [rng.choice([rng.randint(3, 90), 500, rng.randint(510, 900)]) for _ in range(n)]
-        prompts = random_prompts(lengths, seed=trial)
-        a = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-        b = [o.outputs[0].token_ids for o in graphs.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-        assert a == b, f"trial {trial}, batch {n}"
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=trial)]
+        a = [o.outputs[0] for o in eager.generate(prompts, params, use_tqdm=False)]
+        b = [o.outputs[0] for o in graphs.generate(prompts, params, use_tqdm=False)]
+        assert [x.token_ids for x in a] == [y.token_ids for y in b], f"trial {trial}, batch {n}"
+        for x, y in zip(a, b):
+            for lp_eager, lp_graph in zip(x.logprobs, y.logprobs):
+                assert lp_eager.keys() == lp_graph.keys()
+                assert all(abs(lp_eager[t] - lp_graph[t]) < 1e-3 for t in lp_eager), f"trial {trial}"
+    num_decode_steps = sum(1 for decode_only, _ in graph_calls if decode_only)
+    replays = sum(decode_graphs.num_replays.values())
+    assert num_decode_steps > 0 and replays == num_decode_steps
+    assert all(size <= 48 for size, _ in decode_graphs.num_replays)
+    assert {bucket for _, bucket in decode_graphs.num_replays} == {512, 1024}  # both buckets ran
+    runner = graphs.engine.runner
+    mixed = sum(runner.mixed_graphs.num_replays.values()) if runner.mixed_graphs is not None else 0
+    assert runner.num_eager_forwards - eager_forwards_before + mixed == len(graph_calls) - num_decode_steps
+    assert eager.engine.runner.num_eager_forwards >= len(eager_calls) > 0
 
 
 def test_capture_sizes_and_bf16_graph_generation(tmp_path):

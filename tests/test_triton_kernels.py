@@ -3,7 +3,10 @@
 Every check draws fresh random bf16 inputs, fills the whole cache (NULL block
 and slots past each sequence's end included) with NaN before writing the
 visible prefix, poisons the output with NaN, and compares with the torch
-reference run in float32 on the same cache by ||out - ref|| / ||ref||.
+reference run in float32 on the same cache by ||out - ref|| / ||ref|| per
+sequence and per head (the largest must stay under `TOL`): one error over the
+whole batch is dominated by the short sequences, whose outputs are ~100x
+larger than a 33,000-key sequence's, so zeroing the long one would pass it.
 GPU tests are marked `gpu`; one CPU test runs tiny shapes under
 TRITON_INTERPRET=1 in a subprocess (skipped where Triton is not installed).
 """
@@ -30,6 +33,8 @@ MIXED_SPECS = [FullAttentionSpec(), SlidingWindowSpec(window=45),
                SlidingWindowSpec(window=40, sink=6)]
 DECODE_SPECS = [FullAttentionSpec(), SlidingWindowSpec(window=1500),
                 SlidingWindowSpec(window=1000, sink=20)]
+# Largest relative error of any (sequence, head) against the float32 reference.
+TOL = 2e-2
 
 
 def _needed(spec, computed: int, block: int, block_size: int) -> bool:
@@ -90,8 +95,19 @@ def _reference(q, k, v, kv_cache, layer, meta) -> torch.Tensor:
                                         kv_cache.float(), layer, meta)
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def _rel_err(out: torch.Tensor, ref: torch.Tensor, meta: AttentionMetadata) -> float:
+    """The largest ||out - ref|| / ||ref|| over sequences and heads."""
     assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or poisoned)"
+    starts = meta.query_start_loc.tolist()
+    worst = 0.0
+    for first, end in zip(starts, starts[1:]):
+        diff = (out[first:end].float() - ref[first:end]).norm(dim=(0, 2))
+        worst = max(worst, float((diff / ref[first:end].norm(dim=(0, 2))).max()))
+    return worst
+
+
+def _whole_batch_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The old, too weak measure; kept only to show what it misses."""
     return float((out.float() - ref).norm() / ref.norm())
 
 
@@ -128,7 +144,26 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
         prefill_attention(*args, meta.max_query_len, layer.scale, window, sink)
     # NaN == NaN here: never-written slots must stay exactly as they were.
     assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"
-    return _rel_err(out, ref)
+    return _rel_err(out, ref, meta)
+
+
+def test_error_is_per_sequence_and_head():
+    """On the CPU, with the torch reference as the "kernel": zeroing the
+    33,000-key sequence's output (or one head of it) passes a whole-batch
+    error of 1e-2 but not the per-sequence, per-head one the tests use."""
+    gen = torch.Generator().manual_seed(0)
+    spec = FullAttentionSpec()
+    meta, kv_cache, q, k, v = _build_batch(LONG_DECODES, spec, 256, 4, 2, 64, "cpu", gen)
+    ref = _reference(q, k, v, kv_cache.clone(), _layer(spec, 4, 2, 64), meta)
+    long_seq = [c for c, _ in LONG_DECODES].index(33000)  # one token per decode sequence
+    zeroed = ref.clone()
+    zeroed[long_seq] = 0
+    assert _whole_batch_rel_err(zeroed, ref) < 1e-2  # what the old check missed
+    assert _rel_err(zeroed, ref, meta) == pytest.approx(1.0)
+    one_head = ref.clone()
+    one_head[long_seq, 3] = 0
+    assert _rel_err(one_head, ref, meta) == pytest.approx(1.0)
+    assert _rel_err(ref.bfloat16(), ref, meta) < TOL  # bf16 rounding of a right answer passes
 
 
 @pytest.mark.gpu
@@ -150,7 +185,7 @@ def test_reshape_and_cache_matches_index_copy(block_size):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("spec", MIXED_SPECS, ids=lambda s: s.describe())
 def test_prefill_mixed_batch(block_size, spec):
-    assert check_attention(MIXED, spec, block_size, seed=block_size) < 1e-2
+    assert check_attention(MIXED, spec, block_size, seed=block_size) < TOL
 
 
 @pytest.mark.gpu
@@ -159,7 +194,7 @@ def test_prefill_mixed_batch(block_size, spec):
 @pytest.mark.parametrize("fused_write", [False, True], ids=["cached", "fused-write"])
 def test_decode_long_contexts(block_size, spec, fused_write):
     err = check_attention(LONG_DECODES, spec, block_size, seed=block_size, fused_write=fused_write)
-    assert err < 1e-2
+    assert err < TOL
 
 
 @pytest.mark.gpu
@@ -169,7 +204,7 @@ def test_head_layouts(heads, kv_heads, head_dim, decode):
     seqs = [(c, 1) for c, _ in MIXED] if decode else MIXED
     spec = SlidingWindowSpec(window=50, sink=3)
     err = check_attention(seqs, spec, 16, heads, kv_heads, head_dim, seed=heads)
-    assert err < 1e-2
+    assert err < TOL
 
 
 @pytest.mark.gpu
@@ -179,7 +214,7 @@ def test_decode_fixed_split_counts(num_splits, fused_write):
     from kvserve.attention.kernels import DecodeConfig
     err = check_attention(LONG_DECODES, FullAttentionSpec(), 32, seed=num_splits,
                           decode_config=DecodeConfig(num_splits=num_splits), fused_write=fused_write)
-    assert err < 1e-2
+    assert err < TOL
 
 
 @pytest.mark.gpu
@@ -190,9 +225,13 @@ def test_backend_forward_matches_torch(seqs):
     meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 8, 2, 128, "cuda", gen)
     layer = _layer(spec, 8, 2, 128)
     ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
+    # The backend allocates its output: free a NaN tensor of that size first so
+    # the caching allocator hands the same (poisoned) memory back.
+    poison = torch.full_like(q, float("nan"))
+    del poison
     out = get_backend("triton").forward(q, k, v, kv_cache, layer, meta)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert _rel_err(out, ref) < 1e-2
+    assert _rel_err(out, ref, meta) < TOL
 
 
 def _patch_interpreter_scalar_index() -> None:
@@ -221,7 +260,7 @@ def interpreter_smoke() -> None:
             for fused_write in (False, True):
                 err = check_attention(seqs, spec, block_size, heads=4, kv_heads=2, head_dim=16,
                                       device="cpu", dtype=torch.float16, fused_write=fused_write)
-                assert err < 1e-2, (seqs, spec, block_size, fused_write, err)
+                assert err < TOL, (seqs, spec, block_size, fused_write, err)
     # Several splits per sequence (empty ones included), the newest key in the last.
     from kvserve.attention.kernels import DecodeConfig
     for fused_write in (False, True):
@@ -229,7 +268,7 @@ def interpreter_smoke() -> None:
             err = check_attention(decodes, full, 8, heads=4, kv_heads=2, head_dim=16, device="cpu",
                                   dtype=torch.float16, fused_write=fused_write,
                                   decode_config=DecodeConfig(split_block_n=16, num_splits=num_splits))
-            assert err < 1e-2, (num_splits, fused_write, err)
+            assert err < TOL, (num_splits, fused_write, err)
 
 
 def test_tiny_shapes_under_interpreter():
