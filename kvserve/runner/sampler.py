@@ -170,7 +170,10 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         temps = upload(torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params]),
                        logits.device).unsqueeze(1)
-        probs = torch.softmax(_filter_logits(logits / temps, params), dim=-1)
+        scaled = logits / temps
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            scaled = _filter_logits(scaled, params)   # a full-vocabulary sort: only when asked for
+        probs = torch.softmax(scaled, dim=-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws from p. Seeded rows
         # redraw their noise from their own generator, so their samples do not
         # depend on what else shares the batch.
