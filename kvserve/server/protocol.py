@@ -278,7 +278,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
+    parallel_tool_calls: Literal[True] | None = None   # false (one call at most) is not enforced
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: Literal[True] | None = None
     store: Literal[False] | None = None
