@@ -405,10 +405,16 @@ def _usage(prompt_lens: list[int], choices: list[_Choice], n: int) -> dict[str, 
 def _limit_error(message: str) -> APIError:
     if "max_model_len" in message or "KV blocks" in message:
         return APIError(400, message, param="max_tokens", code="context_length_exceeded")
-    for param in ("logit_bias", "stop_token_ids", "min_tokens", "seed", "top_k", "prompt"):
-        if param in message:
-            return APIError(400, message, param=param)
+    # SamplingParams and the engine start their messages with the field's name.
+    first = message.split(" ", 1)[0].rstrip(":")
+    if first in _SAMPLING_FIELDS:
+        return APIError(400, message, param=first)
     return APIError(400, message, param="prompt")
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "seed",
+                    "logprobs", "n"}
 
 
 def _sse(payload: dict[str, Any]) -> str:
