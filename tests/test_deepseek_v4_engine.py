@@ -5,6 +5,8 @@ the compressor state, preemption by recompute. References: transformers'
 generate (configs without indexer ties) and the float64 reference (with ties)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -104,3 +106,21 @@ def test_csa_with_ties_matches_float64_reference(tmp_path):
         got, _ = _run(tmp_path, prompts, 10, block_size=block_size, enable_prefix_caching=caching,
                       max_num_batched_tokens=5)
         assert got == expected
+
+
+def test_metrics_and_startup_log_report_groups(mixed, caplog):
+    path, prompts, _ = mixed
+    with caplog.at_level(logging.INFO, logger="kvserve.model.deepseek_v4.engine"):
+        llm = LLM(str(path), max_model_len=160, block_size=8, max_num_batched_tokens=64)
+    assert "csa_entries" in caplog.text and "long-run KV bytes/token" in caplog.text
+    engine = llm.engine
+    for p in prompts[2:]:
+        engine.add_request(engine.make_request(p, SamplingParams(max_tokens=4, temperature=0.0)))
+    engine.step()
+    metrics = engine.get_metrics()
+    groups = metrics["kv_cache_group_blocks"]
+    held = [engine.kv_cache.get_block_ids(r.request_id) for r in engine.scheduler.running]
+    assert list(groups.values()) == [len({b for ids in held for b in ids[g] if b}) for g in range(len(groups))]
+    assert any("compressed(1/4" in name for name in groups) and any("compressed(1/8" in name for name in groups)
+    tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
+    assert metrics["kv_bytes_per_token"] == sum(groups.values()) * engine.runner.layout.bytes_per_block / tokens

@@ -481,6 +481,13 @@ class KVCacheManager:
                 "num_requests_swapped": len(self._swapped)}
 
     # ---- introspection ------------------------------------------------
+    def group_blocks(self) -> dict[str, int]:
+        """Blocks held per KV group (a shared block once), keyed "g<id>:<spec>".
+        Walks the tables: for metrics snapshots, not for the step path."""
+        return {f"g{g}:{m.spec.describe()}": len({b.block_id for table in m.req_to_blocks.values()
+                                                   for b in table if not b.is_null})
+                for g, m in enumerate(self.managers)}
+
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """Per group block table, NULL block (id 0) included: copies of a
         mirror kept where tables change, so a step does not walk blocks."""

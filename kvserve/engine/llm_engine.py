@@ -301,11 +301,19 @@ class LLMEngine:
             "kv_cache_fragmentation": kv.fragmentation(),
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            **self._group_metrics(),
             **kv.host_metrics(),
             **self._transfer_metrics(),
             **self.stats.as_dict(),
             **self.recorder.as_dict(),
         }
+
+    def _group_metrics(self) -> dict[str, Any]:
+        """Blocks per KV group, and KV bytes per token of context held by running requests."""
+        groups = self.kv_cache.group_blocks()
+        tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
+        held_bytes = sum(groups.values()) * self.runner.layout.bytes_per_block
+        return {"kv_cache_group_blocks": groups, "kv_bytes_per_token": held_bytes / tokens if tokens else 0.0}
 
     def _transfer_metrics(self) -> dict[str, Any]:
         transfer = self.runner.kv_transfer
