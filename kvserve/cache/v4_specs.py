@@ -11,9 +11,11 @@ differs is the page:
   * compressed entries: the entries whose windows end in the slot (CSA: B/4
     entries of head_dim + index_head_dim, i.e. entry and indexer key; HCA: one
     per 128 tokens, slots without one hold the NULL block).
-All pages are one unit of the pool (the largest single-layer page); a group
-packs as many layers of its kind as fit in a unit, so no page is padded to
-the largest kind (at most one layer's page of slack per group).
+All pages are one unit of the pool; a group packs as many layers of its kind
+as fit in a unit, so no page is padded to the largest kind. The unit is the
+largest single-layer page, or a page of all layers of one kind when that
+stores a 64K-token sequence in fewer bytes (V4-Flash: all 20 CSA layers'
+entries in one page instead of 16 + 4).
 """
 from __future__ import annotations
 
@@ -113,16 +115,34 @@ class V4KVLayout:
                 return group_id, g
         raise KeyError(f"layer {layer} has no {kind} group")
 
-    def bytes_per_token(self, dtype_bytes: int) -> dict[str, float]:
-        """Long-run KV bytes per token of context, per page kind (windows excluded:
-        sliding and state groups hold a bounded number of blocks per sequence)."""
+    def blocks_per_sequence(self, context: int, chunk: int = 1) -> dict[str, int]:
+        """Peak blocks one sequence of `context` tokens holds per page kind
+        (sliding and state groups: their window plus the step's chunk)."""
+        out: dict[str, int] = {}
+        for g in self.groups:
+            out[g.kind.name] = out.get(g.kind.name, 0) + _blocks(g.kind.spec, self.block_size, context, chunk)
+        return out
+
+    def bytes_per_token(self, context: int, dtype_bytes: int, chunk: int = 1) -> float:
+        """KV bytes per token of context for one sequence (windows included)."""
+        blocks = sum(self.blocks_per_sequence(context, chunk).values())
+        return blocks * self.unit * dtype_bytes / context
+
+    def long_run_bytes_per_token(self, dtype_bytes: int) -> dict[str, float]:
+        """Bytes per token of the groups that grow with the context (compressed entries)."""
         out: dict[str, float] = {}
         for g in self.groups:
-            spec = g.kind.spec
-            if isinstance(spec, CompressedSpec):
-                span = max(self.block_size, spec.rate)  # tokens per real block
+            if isinstance(g.kind.spec, CompressedSpec):
+                span = max(self.block_size, g.kind.spec.rate)  # tokens per real block
                 out[g.kind.name] = out.get(g.kind.name, 0.0) + self.unit * dtype_bytes / span
         return out
+
+
+def _blocks(spec, block_size: int, context: int, chunk: int) -> int:
+    if isinstance(spec, CompressedSpec):
+        return sum(1 for i in range(-(-context // block_size)) if spec.holds_entry(i, block_size))
+    bounded = -(-(spec.window - 1 + chunk) // block_size) + 1
+    return min(-(-context // block_size), bounded)
 
 
 def v4_kv_layout(config, block_size: int) -> V4KVLayout:
@@ -132,7 +152,19 @@ def v4_kv_layout(config, block_size: int) -> V4KVLayout:
         raise ValueError(f"DeepSeek V4 compressed layers need block_size to be a multiple of the CSA rate 4, "
                          f"got {block_size}")
     kinds = _page_kinds(c, block_size)
-    unit = max(kind.layer_page for kind, _ in kinds)
+    smallest = max(kind.layer_page for kind, _ in kinds)
+    # Candidate units: the largest layer page, or a page holding all layers of one
+    # kind; keep the one that stores a 64K-token sequence in the fewest bytes.
+    candidates = {smallest} | {len(layers) * kind.layer_page for kind, layers in kinds
+                               if len(layers) * kind.layer_page > smallest}
+    layouts = [_packed(kinds, block_size, unit) for unit in sorted(candidates)]
+    return min(layouts, key=lambda layout: layout.bytes_per_token(LAYOUT_CONTEXT, 1))
+
+
+LAYOUT_CONTEXT = 65536
+
+
+def _packed(kinds, block_size: int, unit: int) -> V4KVLayout:
     groups = []
     for kind, layers in kinds:
         per_page = max(1, unit // kind.layer_page)

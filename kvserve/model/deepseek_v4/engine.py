@@ -112,7 +112,7 @@ def log_layout(kv_layout: V4KVLayout, num_blocks: int, block_bytes: int) -> None
     kinds: dict[str, int] = {}
     for g in kv_layout.groups:
         kinds[g.kind.name] = kinds.get(g.kind.name, 0) + 1
-    per_token = kv_layout.bytes_per_token(block_bytes // kv_layout.unit)
+    per_token = kv_layout.long_run_bytes_per_token(block_bytes // kv_layout.unit)
     logger.info("V4 KV cache: %d blocks x %d tokens (%d bytes each), groups: %s; long-run KV bytes/token: %s",
                 num_blocks, kv_layout.block_size, block_bytes,
                 ", ".join(f"{n} x{c}" for n, c in kinds.items()),
