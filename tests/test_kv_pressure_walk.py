@@ -26,6 +26,7 @@ from kvserve.cache.host_tier import BlockCopy, HostTier
 from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 from kv_walk import WalkState, write_and_read
 
 FULL = FullAttentionSpec()
@@ -254,3 +255,30 @@ def test_lru_does_strand_children() -> None:
     (rarely in these small walks, so over a few seeds)."""
     stranded = [run_walk("full", "lru", block_size=4, host_blocks=60, seed=s).stranded for s in range(1, 7)]
     assert sum(stranded) > 0
+
+
+@pytest.mark.parametrize("spec_set", sorted(SPEC_SETS))
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_fences_under_a_small_host_tier(spec_set: str, policy: str) -> None:
+    """A 16-slot host tier reuses slots and evicts written-back blocks all the
+    time, so the fences are what keep the KV right: without the host-slot
+    fence 18 of these 24 walks fail, without the evicted-GPU-block fence 23
+    (docs/TESTING.md); the 60-slot walks above catch the first far less often."""
+    walks = [run_walk(spec_set, policy, block_size=4, host_blocks=16, seed=seed) for seed in range(6)]
+    assert all(w.manager.host_tier.num_evictions > 0 for w in walks)
+    assert sum(w.manager.host_hit_tokens for w in walks) > 0
+
+
+def test_reset_fences_on_every_write_back() -> None:
+    """After a reset, slots and GPU blocks are reused without an eviction (no
+    save to fence on), so the next batch must wait for all write-backs."""
+    tier = HostTier(4, 1)
+    manager = KVCacheManager(make_kv_cache_groups([FULL]), 8, 4, host_tier=tier)
+    request = Request("a", list(range(9)), SamplingParams(max_tokens=4))
+    assert manager.allocate_slots(request, 9)
+    manager.free(request)  # two cached blocks become free: two write-backs
+    first = manager.take_pending_copies()
+    assert [c.background for c in first.copies] == [True, True] and first.fence == -1
+    assert manager.take_pending_copies().fence == -1  # nothing conflicts yet
+    assert manager.reset_prefix_cache()
+    assert manager.take_pending_copies().fence == first.index
