@@ -72,8 +72,10 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink
     """
     logits = torch.einsum("nhd,kd->nhk", q, keys) * scale
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-    sink = sinks.to(logits.dtype)[None, :, None].expand(q.shape[0], -1, 1)
-    combined = torch.cat([logits, sink], dim=-1)
+    # The float32 sinks promote the logits (as transformers' torch.cat does in bf16).
+    sink = sinks[None, :, None].expand(q.shape[0], -1, 1)
+    dtype = torch.promote_types(logits.dtype, sink.dtype)
+    combined = torch.cat([logits.to(dtype), sink.to(dtype)], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
     return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)

@@ -20,6 +20,7 @@ entries in one page instead of 16 + 4).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvserve.cache.groups import KVCacheGroup
 from kvserve.cache.specs import SlidingWindowSpec
@@ -109,11 +110,19 @@ class V4KVLayout:
     def kv_groups(self) -> list[KVCacheGroup]:
         return [g.group for g in self.groups]
 
+    @cached_property
+    def _index(self) -> dict[tuple[str, int], int]:
+        return {(g.kind.name, layer): group_id for group_id, g in enumerate(self.groups)
+                for layer in g.group.layer_ids}
+
     def find(self, kind: str, layer: int) -> tuple[int, V4GroupLayout]:
-        for group_id, g in enumerate(self.groups):
-            if g.kind.name == kind and layer in g.group.layer_ids:
-                return group_id, g
-        raise KeyError(f"layer {layer} has no {kind} group")
+        """(group id, group) holding `layer`'s pages of `kind`; KeyError if none."""
+        group_id = self._index[(kind, layer)]
+        return group_id, self.groups[group_id]
+
+    def compressed_kind(self, layer: int) -> str | None:
+        """"csa", "hca" or None (sliding only) for a layer."""
+        return next((k for k in ("csa", "hca") if (f"{k}_entries", layer) in self._index), None)
 
     def blocks_per_sequence(self, context: int, chunk: int = 1) -> dict[str, int]:
         """Peak blocks one sequence of `context` tokens holds per page kind

@@ -115,7 +115,7 @@ class V4Attention(nn.Module):
 
     def _keys_and_mask(self, x, q_residual, positions, past, kv, new_entries, rope):
         keys = torch.cat([past.sliding_kv, kv])
-        key_pos = torch.arange(p_start := past.sliding_start, p_start + len(keys), device=x.device)
+        key_pos = torch.arange(past.sliding_start, past.sliding_start + len(keys), device=x.device)
         mask = (key_pos[None, :] <= positions[:, None]) & (positions[:, None] - key_pos[None, :] < self.window)
         if self.compressor is None:
             return keys, mask

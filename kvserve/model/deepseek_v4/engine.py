@@ -104,7 +104,7 @@ def _num_blocks(cache, sched, layout: V4Layout, kv_layout: V4KVLayout) -> int:
         return cache.num_kv_blocks
     if cache.kv_cache_memory_gb is not None:
         return max(2, int(cache.kv_cache_memory_gb * 1024**3 // layout.bytes_per_block))
-    per_seq = sum(-(-sched.max_model_len // kv_layout.block_size) for _ in kv_layout.groups)
+    per_seq = sum(kv_layout.blocks_per_sequence(sched.max_model_len, sched.max_num_batched_tokens).values())
     return max(per_seq + 1, min(4 * per_seq, CPU_DEFAULT_MAX_BYTES // layout.bytes_per_block))
 
 

@@ -63,18 +63,24 @@ def dummy_config(shape: str, hf_overrides: dict[str, Any] | None = None) -> Deep
 
 
 def _build(config: DeepseekV4Config, dtype: torch.dtype, device: str) -> DeepseekV4ForCausalLM:
-    with torch.device("meta"):
-        module = DeepseekV4ForCausalLM(config)
+    """Built on the meta device in `dtype`; norms, sinks, position biases and mHC
+    weights are declared float32 and stay so (as transformers keeps them)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            module = DeepseekV4ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
     module = module.to_empty(device=device)
-    fp32 = {n for n, p in module.named_parameters() if p.dim() <= 1 or "hc_" in n or n.endswith("ape")}
-    for name, param in module.named_parameters():  # norms, sinks, biases, mHC stay float32 (as HF)
-        if name not in fp32:
-            param.data = param.data.to(dtype)
+    if config.tie_word_embeddings:
+        module.head.weight = module.embed.weight
     return module.eval()
 
 
 def _fill_dummy(module: DeepseekV4ForCausalLM, seed: int) -> None:
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    device = module.head.weight.device
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith(("norm.weight", "_scale")):
@@ -82,10 +88,10 @@ def _fill_dummy(module: DeepseekV4ForCausalLM, seed: int) -> None:
             elif p.dim() <= 1 or name.endswith("ape"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=g).mul_(0.02).to(p.dtype))
+                p.normal_(0.0, 0.02, generator=g)
         for name, buf in module.named_buffers():
             if name.endswith("tid2eid"):
-                buf.copy_(torch.randint(0, module.config.n_routed_experts, buf.shape, generator=g))
+                buf.copy_(torch.randint(0, module.config.n_routed_experts, buf.shape, generator=g, device=device))
             else:
                 buf.zero_()
 

@@ -86,7 +86,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in; every parameter and buffer must be filled."""
-        targets = dict(self.named_parameters()) | dict(self.named_buffers())
+        targets = dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers())
+        if self.config.tie_word_embeddings:
+            targets.pop("head.weight")  # the embedding's
         filled: set[str] = set()
         with torch.no_grad():
             for name, tensor in weights:

@@ -18,8 +18,7 @@ class PagedSequenceKV:
     def __init__(self, storage: torch.Tensor, layout: V4KVLayout, tables: list[torch.Tensor], start: int,
                  rates: dict[str, int]) -> None:
         self.storage, self.layout, self.tables, self.start = storage, layout, tables, start
-        self.rates = rates  # layer kind name ("csa"/"hca") -> compress rate
-        self._window = {}
+        self.rates = rates  # "csa" / "hca" -> compress rate
 
     def _view(self, kind: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-layer page view [num_blocks, rows, width], block table) of a kind."""
@@ -41,25 +40,16 @@ class PagedSequenceKV:
         B = self.layout.block_size
         return view, table[((w + 1) * rate - 1) // B].long(), w % max(1, B // rate)
 
-    def _kinds(self, layer: int) -> tuple[str, int] | None:
-        for prefix in ("csa", "hca"):
-            try:
-                self.layout.find(f"{prefix}_entries", layer)
-                return prefix, self.rates[prefix]
-            except KeyError:
-                continue
-        return None
-
     def past(self, layer: int, names: tuple[str, ...], like: torch.Tensor,
              dims: dict[str, tuple[int, int]]) -> LayerPast:
-        p0, window = self.start, self.window_of(layer)
-        lo = max(0, p0 - window + 1)
+        p0 = self.start
+        lo = self.layout.groups[self.layout.find("sliding", layer)[0]].kind.spec.visible_start(p0)
         view, blocks, rows = self._token_rows("sliding", layer, lo, p0)
         past = LayerPast(view[blocks, rows], lo, {}, {})
-        kind = self._kinds(layer)
-        if kind is None:
+        prefix = self.layout.compressed_kind(layer)
+        if prefix is None:
             return past
-        prefix, rate = kind
+        rate = self.rates[prefix]
         first = max(0, (p0 // rate - (1 if prefix == "csa" else 0)) * rate)
         view, blocks, rows = self._token_rows(f"{prefix}_state", layer, first, p0)
         raw = view[blocks, rows]
@@ -75,19 +65,15 @@ class PagedSequenceKV:
             past.entries["indexer"] = entries[:, dims["compressor"][1]:]
         return past
 
-    def window_of(self, layer: int) -> int:
-        return self._window.setdefault(layer, self.layout.groups[self.layout.find("sliding", layer)[0]]
-                                       .kind.spec.window)
-
     def append(self, layer: int, sliding_kv: torch.Tensor, raw: dict[str, tuple[torch.Tensor, torch.Tensor]],
                entries: dict[str, torch.Tensor]) -> None:
         p0, n = self.start, len(sliding_kv)
         view, blocks, rows = self._token_rows("sliding", layer, p0, p0 + n)
         view[blocks, rows] = sliding_kv
-        kind = self._kinds(layer)
-        if kind is None:
+        prefix = self.layout.compressed_kind(layer)
+        if prefix is None:
             return
-        prefix, rate = kind
+        rate = self.rates[prefix]
         view, blocks, rows = self._token_rows(f"{prefix}_state", layer, p0, p0 + n)
         view[blocks, rows] = torch.cat([t for name in raw for t in raw[name]], dim=-1)
         new = torch.cat([entries[name] for name in entries], dim=-1)
