@@ -1,6 +1,5 @@
 """DeepSeek V4 on a GPU at real per-layer dims (`dummy:deepseek-v4-flash-l8`,
-bf16, torch attention): the paged engine path runs, holds blocks in every
-group kind, and agrees with the dense-state decoding of the same weights."""
+bf16, torch attention): the paged engine path runs and matches the dense-state decoding of the same weights token for token."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +16,7 @@ def test_flash_l8_engine_runs_on_gpu():
               kv_cache_memory_gb=4, block_size=16, max_num_batched_tokens=512)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 129000, (n,), generator=g).tolist() for n in (37, 700)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    assert [len(t) for t in got] == [16, 16]
-    dense = greedy_generate(llm.engine.runner.model, prompts, 16, chunk_size=512)
-    # bf16: allow a late divergence from near-tied logits, but the first tokens must agree
-    assert [t[:4] for t in got] == [t[:4] for t in dense]
+    for prompt in prompts:  # one at a time: the engine's chunks are then the dense run's chunks
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=0.0),
+                           use_tqdm=False)[0].outputs[0].token_ids
+        assert list(out) == greedy_generate(llm.engine.runner.model, [prompt], 16, chunk_size=512)[0]
