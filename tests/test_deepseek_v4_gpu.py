@@ -1,5 +1,6 @@
 """DeepSeek V4 on a GPU at real per-layer dims (`dummy:deepseek-v4-flash-l8`,
-bf16, torch attention): the paged engine path runs and matches the dense-state decoding of the same weights token for token."""
+bf16, torch attention): the paged engine path runs and matches the dense-state
+decoding of the same weights token for token."""
 from __future__ import annotations
 
 import pytest
