@@ -91,7 +91,7 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: vLLM's default for the device
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
@@ -140,7 +140,9 @@ class EngineArgs:
                              f"length {model_max_len}")
         budget = self.max_num_batched_tokens or default_token_budget(
             self.usage, device_memory_bytes, device_name)
-        return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+        max_num_seqs = (default_max_num_seqs(device_memory_bytes, device_name)
+                        if self.max_num_seqs is None else self.max_num_seqs)
+        return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                max_model_len=max_model_len,
                                kv_rotation_interval=self.kv_rotation_interval,
                                scheduling_policy=self.scheduling_policy)
@@ -149,11 +151,22 @@ class EngineArgs:
 USAGES = ("llm", "server")
 
 
+def default_max_num_seqs(device_memory_bytes: int, device_name: str = "") -> int:
+    """vLLM's default for `max_num_seqs`: 1024 on a GPU of >= 70 GiB (not an
+    A100), offline and served alike; 256 elsewhere. Under overload a server
+    then admits long prompts instead of queueing them behind 256 long decodes."""
+    return 1024 if _large_gpu(device_memory_bytes, device_name) else 256
+
+
+def _large_gpu(device_memory_bytes: int, device_name: str) -> bool:
+    return device_memory_bytes >= 70 * 2**30 and "a100" not in device_name.lower()
+
+
 def default_token_budget(usage: str, device_memory_bytes: int, device_name: str = "") -> int:
     """vLLM's defaults for `max_num_batched_tokens`: on a GPU of >= 70 GiB
     (not an A100) 16384 for offline batches and 8192 for a server, where long
     prefill chunks would stall running streams; 8192 offline elsewhere
     (CPU included: the budget is the chunked-prefill size, not a memory size)."""
-    if device_memory_bytes >= 70 * 2**30 and "a100" not in device_name.lower():
+    if _large_gpu(device_memory_bytes, device_name):
         return 16384 if usage == "llm" else 8192
     return 8192

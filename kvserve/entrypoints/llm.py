@@ -15,7 +15,7 @@ PromptType = str | dict[str, Any] | list[int]
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_batched_tokens: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None,
                  kv_cache_memory_gb: float | None = None, load_format: str = "auto", seed: int = 0,
                  hf_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
