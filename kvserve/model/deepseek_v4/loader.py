@@ -30,7 +30,7 @@ _FLASH = {  # deepseek-ai/DeepSeek-V4-Flash config.json dims (checkpoint form)
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek-v4-flash": _FLASH,
     # Real per-layer dims, 8 layers (2 sliding, then CSA/HCA alternating), 32 experts:
-    # about 19 GB of bf16 weights, leaving most of an H200 to the KV cache.
+    # 8.6B parameters, about 17 GB of bf16 weights, leaving most of an H200 to the KV cache.
     "deepseek-v4-flash-l8": {**_FLASH, "num_hidden_layers": 8, "n_routed_experts": 32,
                              "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 128]},
     "tiny-deepseek-v4": {**_FLASH, "vocab_size": 128, "hidden_size": 32, "moe_intermediate_size": 32,
