@@ -3,7 +3,9 @@
 # with token-id prompts (streaming /v1/completions, Poisson arrivals).
 # Usage (repo root): bash benchmarks/serve_load.sh kvserve|vllm MODEL_DIR "WORKLOAD:RATE[:N] ..."
 #   MODEL_DIR: config.json + tokenizer (benchmarks/make_dummy_model.py); both engines build dummy weights.
-#   N: requests of that run (default 768). env: OUT (result folder), EXTRA (more server flags).
+#   N: requests of that run (default 768). env: OUT (result folder), EXTRA (more server flags),
+#   PYSPY_SECONDS (py-spy the server and its engine-core process during the first run, 5 s in:
+#   collapsed stacks per thread in $OUT/pyspy_ENGINE.txt).
 # vLLM comes from .vsite (../shared/peers/vllm/README.md); its site also carries kvserve's server deps.
 set -u
 engine=${1:?engine} dir=${2:?model dir} runs=${3:?runs}
@@ -26,6 +28,10 @@ until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
   fi
 done
 echo "startup $(( $(date +%s) - start )) s"
+if [ -n "${PYSPY_SECONDS:-}" ]; then
+  (sleep 5; py-spy record --pid $server --subprocesses --threads --nonblocking --format raw \
+    --duration "$PYSPY_SECONDS" --rate 250 -o "$OUT/pyspy_$engine.txt" > "$OUT/pyspy.log" 2>&1) &
+fi
 for run in $runs; do
   IFS=: read -r w r n <<< "$run"; n=${n:-768}
   echo "\$ kvserve bench serve --workload $w --num-prompts $n --request-rate $r --tokenizer $dir --max-len 8192"
