@@ -56,6 +56,10 @@ def _record_forwards(llm) -> list[tuple[bool, int]]:
     return calls
 
 
+def _mixed_replays(runner) -> int:
+    return sum(runner.mixed_graphs.num_replays.values()) if runner.mixed_graphs is not None else 0
+
+
 def test_cuda_graph_replay_equals_eager_for_random_batch_sizes(tmp_path):
     """Random batch sizes, and contexts on both sides of the short-context
     bucket (500 + 12 tokens crosses it mid-decode). Every decode-only step
@@ -71,7 +75,8 @@ def test_cuda_graph_replay_equals_eager_for_random_batch_sizes(tmp_path):
     assert decode_graphs is not None and decode_graphs.buckets == [512, 1024]
     assert not decode_graphs.num_replays  # capture is not a replay
     eager_calls, graph_calls = _record_forwards(eager), _record_forwards(graphs)
-    eager_forwards_before = graphs.engine.runner.num_eager_forwards
+    runner = graphs.engine.runner
+    eager_forwards_before, mixed_before = runner.num_eager_forwards, _mixed_replays(runner)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     for trial in range(4):
         n = rng.randint(1, 45)
@@ -89,8 +94,7 @@ def test_cuda_graph_replay_equals_eager_for_random_batch_sizes(tmp_path):
     assert num_decode_steps > 0 and replays == num_decode_steps
     assert all(size <= 48 for size, _ in decode_graphs.num_replays)
     assert {bucket for _, bucket in decode_graphs.num_replays} == {512, 1024}  # both buckets ran
-    runner = graphs.engine.runner
-    mixed = sum(runner.mixed_graphs.num_replays.values()) if runner.mixed_graphs is not None else 0
+    mixed = _mixed_replays(runner) - mixed_before
     assert runner.num_eager_forwards - eager_forwards_before + mixed == len(graph_calls) - num_decode_steps
     assert eager.engine.runner.num_eager_forwards >= len(eager_calls) > 0
 
