@@ -415,3 +415,22 @@ def test_a_burst_of_1000_requests_is_queued_and_served(tmp_path):
         codes = [r.status_code for r in responses]
         assert codes.count(200) == 1000, {c: codes.count(c) for c in set(codes)}
         assert all(r.json()["usage"]["completion_tokens"] == 2 for r in responses)
+
+
+def test_structured_output_and_tools_through_the_core_process():
+    """As under `kvserve serve`: the engine core in its own process, grammars
+    crossing to it as xgrammar JSON."""
+    app = build_app(EngineArgs(max_model_len=512), MODEL)
+    with LiveServer(app) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        text = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], max_tokens=80,
+            temperature=0, response_format={"type": "json_schema",
+                                            "json_schema": {"name": "person", "schema": PERSON}},
+        ).choices[0].message.content
+        assert _valid(json.loads(text), PERSON), text
+        choice = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+            tool_choice="required", max_tokens=60, temperature=0).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls[0].function.name == "get_weather"
