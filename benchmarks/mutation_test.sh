@@ -26,6 +26,6 @@ if [ ! -f "$work/pyproject.toml" ]; then
 fi
 echo "mutation run of $(git -C "$repo" rev-parse --short "$commit") in $work"
 cd "$work"
-nice -n 10 mutmut run --max-children 1 "$@" || true
+OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 mutmut run --max-children 1 "$@" || true
 mutmut results --all true > results.txt 2>&1 || true
 python "$repo/benchmarks/mutation_scores.py" results.txt
