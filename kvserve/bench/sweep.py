@@ -209,7 +209,7 @@ def add_sweep_parser(kinds: Any) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's for the device")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=0.0)
     p.add_argument("--num-prompts", type=int, default=200)

@@ -30,10 +30,11 @@ def _server_command(a: argparse.Namespace, block_size: int, budget: int, port: i
     kw = engine_kwargs(a, block_size, budget)
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--block-size", str(block_size), "--max-num-batched-tokens", str(budget),
-           "--max-num-seqs", str(a.max_num_seqs), "--load-format", a.load_format, "--dtype", a.dtype,
+           "--load-format", a.load_format, "--dtype", a.dtype,
            "--device", a.device, "--cpu-kv-cache-gb", str(a.cpu_kv_cache_gb), "--seed", str(a.seed),
            "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching"]
-    for flag, key in (("--model", "model"), ("--max-model-len", "max_model_len"), ("--num-kv-blocks", "num_kv_blocks")):
+    for flag, key in (("--model", "model"), ("--max-model-len", "max_model_len"), ("--num-kv-blocks", "num_kv_blocks"),
+                      ("--max-num-seqs", "max_num_seqs")):
         if kw.get(key) is not None:
             cmd += [flag, str(kw[key])]
     return cmd
