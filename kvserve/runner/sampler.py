@@ -60,6 +60,7 @@ class Sampler:
         # Requests the engine registered (prompt ids, eos ids for penalties / min_tokens).
         self._requests: dict[str, object] = {}
         self.penalties = PenaltyBuffers(device)
+        self._grammar_masks = None   # kvserve.structured.grammar.GrammarMasks, on the first grammar
 
     def track(self, request) -> None:
         """Remember a request's prompt and eos ids (the engine calls this on intake)."""
@@ -148,8 +149,10 @@ class Sampler:
         _add_at(x, banned, fill=float("-inf"))
         grammar_rows = [(i, s.grammar) for i, s in enumerate(states) if s.grammar is not None]
         if grammar_rows:
-            from kvserve.structured.grammar import apply_masks
-            apply_masks(x, grammar_rows)
+            if self._grammar_masks is None:
+                from kvserve.structured.grammar import GrammarMasks
+                self._grammar_masks = GrammarMasks()
+            self._grammar_masks.apply(x, grammar_rows)
         penalized = [(i, p, s.slot) for i, (p, s) in enumerate(zip(params, states)) if s.slot is not None]
         if penalized:
             self.penalties.apply(x, penalized)

@@ -111,13 +111,23 @@ class GrammarMatcher:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher]]) -> None:
-    """Mask every constrained row's disallowed tokens to -inf, in one op."""
-    xgr = _xgr()
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])  # all allowed
-    for k, (_, matcher) in enumerate(rows):
-        matcher.fill(bitmask, k)
-    index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
-    sub = logits[index]
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=logits.shape[1])
-    logits[index] = sub
+class GrammarMasks:
+    """Applies constrained rows' masks; owns one reused host bitmask (allocating
+    a pinned one per step cost more than filling it)."""
+
+    def __init__(self) -> None:
+        self._bitmask: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher]]) -> None:
+        """Mask every constrained row's disallowed tokens to -inf, in place, in one op
+        (the bitmask has a row per batch row; only the constrained ones are applied)."""
+        xgr = _xgr()
+        batch, vocab = logits.shape
+        if self._bitmask is None or self._bitmask.shape[0] < batch or self._bitmask.shape[1] * 32 < vocab:
+            self._bitmask = xgr.allocate_token_bitmask(max(batch, 8), vocab)
+        bitmask = self._bitmask[:batch]
+        bitmask.fill_(-1)   # all allowed
+        for i, matcher in rows:
+            matcher.fill(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=vocab, indices=[i for i, _ in rows])
