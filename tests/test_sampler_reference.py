@@ -148,6 +148,7 @@ def test_logprobs_are_log_softmax_of_the_raw_logits(temperature):
     wants = [None, 0, 2, 4]
     params = [SamplingParams(temperature=temperature, logprobs=w) for w in wants]
     out = Sampler(5, torch.device("cpu")).sample(torch.tensor(rows), params, list("abcd")).resolve()
+    assert len(out.logprobs) == len(out.sampled_logprobs) == len(out.token_ids) == 4
     assert out.logprobs[0] is None
     for row, want, token, entry, sampled in zip(rows, wants, out.token_ids, out.logprobs,
                                                 out.sampled_logprobs):
@@ -167,3 +168,32 @@ def test_no_logprobs_when_nobody_asks():
                                                  ["a", "b"]).resolve()
     assert out.logprobs == [None, None] and out.sampled_logprobs == [None, None]
     assert out.token_ids[1] == 1
+
+
+def test_one_top_logprob_plus_the_sampled_token():
+    """logprobs=1: the entry holds the most probable token and, when another
+    was drawn, the drawn one too (flat logits make that happen often)."""
+    flat = [0.0, 0.1, 0.0, -0.1, 0.05, 0.0]
+    ref = hand_logprobs(flat)
+    params = [SamplingParams(logprobs=1)] * 64
+    out = Sampler(2, torch.device("cpu")).sample(torch.tensor([flat] * 64), params,
+                                                 [f"r{i}" for i in range(64)]).resolve()
+    assert any(t != 1 for t in out.token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert set(entry) == {1, token}
+        assert all(lp == pytest.approx(ref[t], abs=1e-5) for t, lp in entry.items())
+
+
+@pytest.mark.parametrize("params, support_size", [
+    (SamplingParams(top_p=0.5), 2),   # mass before the 3rd of 4 equal tokens is exactly 0.5: dropped
+    (SamplingParams(top_p=0.51), 3),
+    (SamplingParams(min_p=1.0), 4),   # every probability equals 1.0 x the largest: all kept
+])
+def test_filter_boundaries_on_four_equal_tokens(params, support_size):
+    """Probabilities of exactly 0.25 (float-exact) put each filter on its
+    boundary: top-p keeps the smallest prefix whose mass reaches p, min-p
+    keeps a token whose probability is at least min_p x the largest."""
+    num = 800
+    ids = Sampler(1, torch.device("cpu")).sample(torch.zeros(num, 4), [params] * num,
+                                                 [f"r{i}" for i in range(num)]).resolve().token_ids
+    assert len(set(ids)) == support_size
