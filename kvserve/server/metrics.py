@@ -1,10 +1,11 @@
 """Prometheus metrics of one server, vLLM-style names under `kvserve:`.
 
 Gauges and counters are read from a snapshot of `LLMEngine.get_metrics()`
-that the engine thread publishes after every step, so a scrape never touches
-the engine. Counters come from the engine's cumulative counts (exact and
-monotonic). Histograms are observed by the engine thread: inter-token
-latency per token, the rest once per finished request from its timestamps.
+that the engine core ships with its step outputs (at most every 100 ms, and
+when it goes idle), so a scrape never touches the engine. Counters come from
+the engine's cumulative counts (exact and monotonic). Histograms are observed
+on the API side as outputs arrive: inter-token latency per token, the rest
+once per finished request from its timestamps.
 """
 from __future__ import annotations
 
