@@ -6,6 +6,7 @@ generate (configs without indexer ties) and the float64 reference (with ties).""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -124,3 +125,24 @@ def test_metrics_and_startup_log_report_groups(mixed, caplog):
     assert any("compressed(1/4" in name for name in groups) and any("compressed(1/8" in name for name in groups)
     tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
     assert metrics["kv_bytes_per_token"] == sum(groups.values()) * engine.runner.layout.bytes_per_block / tokens
+
+
+def test_server_serves_v4_and_exports_metrics():
+    """The HTTP server (engine core in its own process) with a tiny V4 dummy: a
+    token-id completion runs to length and /metrics counts its prefix lookup."""
+    import httpx
+
+    from kvserve.config import EngineArgs
+    from kvserve.server.app import build_app
+    from tests.test_server import LiveServer
+    args = EngineArgs(model="dummy:tiny-deepseek-v4", dtype="float32", device="cpu", max_model_len=256)
+    with LiveServer(build_app(args, "v4")) as server:
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "v4", "prompt": list(range(5, 25)), "max_tokens": 5, "temperature": 0})
+        assert reply.status_code == 200
+        assert reply.json()["usage"] == {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25,
+                                         "prompt_tokens_details": {"cached_tokens": 0}}
+        deadline = time.monotonic() + 30  # snapshots reach the API side at a bounded rate
+        while "kvserve:prefix_cache_queries_total 20.0" not in httpx.get(f"{server.url}/metrics").text:
+            assert time.monotonic() < deadline, "the V4 prefix lookup never reached /metrics"
+            time.sleep(0.2)
