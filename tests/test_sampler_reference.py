@@ -197,3 +197,19 @@ def test_filter_boundaries_on_four_equal_tokens(params, support_size):
     ids = Sampler(1, torch.device("cpu")).sample(torch.zeros(num, 4), [params] * num,
                                                  [f"r{i}" for i in range(num)]).resolve().token_ids
     assert len(set(ids)) == support_size
+
+
+def test_unseeded_rows_follow_the_sampler_seed_only():
+    """Unseeded rows draw from the sampler's own generator: the engine seed
+    fixes them whatever else touched torch's global generator."""
+    def run(sampler_seed: int, global_seed: int) -> list[int]:
+        sampler = Sampler(sampler_seed, torch.device("cpu"))
+        torch.manual_seed(global_seed)
+        return draw_with(sampler, SamplingParams(), 200)
+    assert run(7, 0) == run(7, 12345)
+    assert run(7, 0) != run(8, 0)
+
+
+def draw_with(sampler: Sampler, params: SamplingParams, num: int) -> list[int]:
+    logits = torch.tensor([LOGITS] * num)
+    return sampler.sample(logits, [params] * num, [f"r{i}" for i in range(num)]).resolve().token_ids
