@@ -107,3 +107,23 @@ def test_a_row_whose_state_fails_is_named():
 def test_out_of_range_params_are_rejected_at_construction(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+def test_a_grammar_row_that_fails_is_named():
+    from kvserve.structured.grammar import GrammarMatcher
+
+    class Broken(GrammarMatcher):
+        def __init__(self) -> None:
+            self._last = None
+
+        def fill(self, bitmask, row) -> None:
+            raise RuntimeError("matcher broke")
+
+    pytest.importorskip("xgrammar")
+    sampler = Sampler(0, torch.device("cpu"))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, min_tokens=1)]
+    states = sampler._states_for(params, ["ok", "bad"])
+    states[1].grammar = Broken()
+    with pytest.raises(RequestFailed) as info:
+        sampler.sample(torch.zeros(2, VOCAB), params, ["ok", "bad"])
+    assert info.value.request_ids == ["bad"]

@@ -77,7 +77,7 @@ class Sampler:
         """Launch sampling; the ids stay on the device (`token_ids`) for the next
         step, and one packed copy heads to the host behind an event."""
         states = self._states_for(params, request_ids)
-        processed = self._process(logits, params, states)
+        processed = self._process(logits, params, states, request_ids)
         if all(p.is_greedy for p in params):
             ids = processed.argmax(dim=-1)  # argmax is exact in any float type: no upcast
         else:
@@ -137,7 +137,7 @@ class Sampler:
 
     # -- logits processors ----------------------------------------------------------
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
-                 states: list[_RowState]) -> torch.Tensor:
+                 states: list[_RowState], request_ids: list[str] | None = None) -> torch.Tensor:
         """Logits after bias, min_tokens, grammar and penalties (a copy; the raw
         logits stay for logprobs). Untouched when no row asks for any."""
         if not any(p.needs_logits_processing for p in params):
@@ -149,10 +149,13 @@ class Sampler:
         _add_at(x, banned, fill=float("-inf"))
         grammar_rows = [(i, s.grammar) for i, s in enumerate(states) if s.grammar is not None]
         if grammar_rows:
+            from kvserve.structured.grammar import GrammarMasks, RowsFailed
             if self._grammar_masks is None:
-                from kvserve.structured.grammar import GrammarMasks
                 self._grammar_masks = GrammarMasks()
-            self._grammar_masks.apply(x, grammar_rows)
+            try:
+                self._grammar_masks.apply(x, grammar_rows)
+            except RowsFailed as e:
+                raise RequestFailed([(request_ids or [])[i] for i in e.rows], e.cause) from e
         penalized = [(i, p, s.slot) for i, (p, s) in enumerate(zip(params, states)) if s.slot is not None]
         if penalized:
             self.penalties.apply(x, penalized)

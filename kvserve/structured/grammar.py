@@ -111,6 +111,14 @@ class GrammarMatcher:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+class RowsFailed(Exception):
+    """Batch rows whose matcher raised (the sampler names their requests)."""
+
+    def __init__(self, rows: list[int], cause: BaseException) -> None:
+        super().__init__(f"grammar rows {rows} failed: {cause}")
+        self.rows, self.cause = rows, cause
+
+
 class GrammarMasks:
     """Applies constrained rows' masks; owns one reused host bitmask (allocating
     a pinned one per step cost more than filling it)."""
@@ -127,7 +135,14 @@ class GrammarMasks:
             self._bitmask = xgr.allocate_token_bitmask(max(batch, 8), vocab)
         bitmask = self._bitmask[:batch]
         bitmask.fill_(-1)   # all allowed
+        failed, cause = [], None
         for i, matcher in rows:
-            matcher.fill(bitmask, i)
+            try:
+                matcher.fill(bitmask, i)
+            except Exception as e:  # this row's grammar: its request fails alone
+                failed.append(i)
+                cause = e
+        if failed:
+            raise RowsFailed(failed, cause)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=vocab, indices=[i for i, _ in rows])
