@@ -120,3 +120,22 @@ def test_hash_block_is_chained_and_keyed():
     hashing.extend_block_hashes(request, 4)
     assert request.block_hashes[2] == hashing.hash_block(request.block_hashes[1],
                                                          [8, 9, 10, 11])
+
+
+@pytest.mark.parametrize("hot_fraction, hits_left", [(0.5, [0, 0, 1, 1]), (0.25, [0, 0, 0, 1]),
+                                                      (1.0, [1, 1, 1, 1])])
+def test_hot_segment_keeps_its_share_of_the_free_blocks(hot_fraction, hits_left):
+    """Freed hot leaves one by one: while the hot list holds more than
+    max(1, hot_fraction x free blocks), its oldest is demoted (hit count
+    spent). By hand for 0.5: after 2 blocks 2 > 1 demotes #0, after 3
+    2 > 1.5 demotes #1, after 4 2 > 2 does not."""
+    from kvserve.cache.block_pool import KVBlock
+    from kvserve.cache.eviction import ReuseAwareQueue
+    queue = ReuseAwareQueue(hot_fraction)
+    blocks = [KVBlock(i + 1) for i in range(4)]
+    for i, block in enumerate(blocks):
+        block.block_hash, block.num_hits = bytes([i]), 1
+        queue.append(block)
+    assert [b.num_hits for b in blocks] == hits_left
+    assert [b.block_id for b in iter(queue)] == [b.block_id for b in blocks if not b.num_hits] + \
+        [b.block_id for b in blocks if b.num_hits]
