@@ -167,3 +167,14 @@ def test_fragmentation_skips_dropped_window_blocks():
     assert manager.allocate_slots(request, 1)  # query at 13 reads keys 10..13: blocks 2, 3
     assert _held(manager, "a")[0] == {2, 3}
     assert manager.fragmentation() == pytest.approx(1 - 6 / 8)
+
+
+def test_sliding_hit_of_a_single_block():
+    """The shortest hit counts too: a request sharing only its first block
+    with a cached prompt (window 4, blocks of 4) hits exactly that block."""
+    manager = _manager([SlidingWindowSpec(4)], block_size=4)
+    first = Request("a", list(range(12)), SamplingParams(max_tokens=4))
+    assert manager.allocate_slots(first, 12)
+    manager.free(first)
+    computed, hit = manager.get_computed_blocks(Request("b", list(range(4)) + [90, 91], SamplingParams(max_tokens=4)))
+    assert hit == 4 and len(computed.blocks[0]) == 1
