@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 
+import numpy as np
 import torch
 
 from kvserve.attention.kernels.prefill import PrefillConfig, tile_table
@@ -147,7 +148,7 @@ class MixedGraphs:
             static[s:capacity].zero_()
 
     def _write_tiles(self, query_lens: list[int], capacity: int) -> None:
-        seq, q_tile = tile_table(torch.tensor(query_lens, dtype=torch.int32), self.block_q)
+        seq, q_tile = tile_table(torch.from_numpy(np.asarray(query_lens, dtype=np.int32)), self.block_q)
         k = seq.shape[0]
         device = self.tile_seq.device
         self.tile_seq[:k].copy_(upload(seq, device))
