@@ -44,3 +44,26 @@ def test_group_blocks_labels_and_counts():
     request.output_token_ids.append(1)
     assert manager.allocate_slots(request, 1)
     assert manager.group_blocks() == {"g0:full": 4, "g1:sliding(window=8, sink=0)": 3}
+
+
+def test_one_group_counts_held_blocks_from_the_pool_as_the_walk_would():
+    """The single-group fast path equals a walk over the tables, shared and
+    cached-but-free blocks included, after every step of a random walk."""
+    import random
+    rng = random.Random(3)
+    manager = KVCacheManager([KVCacheGroup(FullAttentionSpec(), (0,))], 40, 4)
+    live, shared = {}, 0
+    for step in range(300):
+        if live and (rng.random() < 0.4 or manager.num_free_blocks < 8):
+            manager.free(live.pop(rng.choice(sorted(live))))
+        else:
+            tokens = [rng.randint(0, 2) for _ in range(rng.randint(2, 20))]
+            request = Request(f"r{step}", tokens, SamplingParams(max_tokens=4))
+            hit, _ = manager.get_computed_blocks(request)
+            if manager.allocate_slots(request, len(tokens) - hit.num_tokens, hit):
+                shared += hit.num_tokens > 0
+                request.num_computed_tokens = len(tokens)
+                live[request.request_id] = request
+        walk = KVCacheManager._distinct_held(manager.managers[0])
+        assert manager.group_blocks() == {"g0:full": walk}, step
+    assert shared > 20  # prefix hits: blocks held by several requests, or cached while free

@@ -483,10 +483,15 @@ class KVCacheManager:
     # ---- introspection ------------------------------------------------
     def group_blocks(self) -> dict[str, int]:
         """Blocks held per KV group (a shared block once), keyed "g<id>:<spec>".
-        Walks the tables: for metrics snapshots, not for the step path."""
-        return {f"g{g}:{m.spec.describe()}": len({b.block_id for table in m.req_to_blocks.values()
-                                                   for b in table if not b.is_null})
-                for g, m in enumerate(self.managers)}
+        One group holds every referenced block, a pool counter (O(1)); several
+        groups walk their tables (metrics snapshots only, never the step path)."""
+        if len(self.managers) == 1:
+            return {f"g0:{self.managers[0].spec.describe()}": self.pool.num_blocks - 1 - self.num_free_blocks}
+        return {f"g{g}:{m.spec.describe()}": self._distinct_held(m) for g, m in enumerate(self.managers)}
+
+    @staticmethod
+    def _distinct_held(manager) -> int:
+        return len({b.block_id for table in manager.req_to_blocks.values() for b in table if not b.is_null})
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """Per group block table, NULL block (id 0) included: copies of a
