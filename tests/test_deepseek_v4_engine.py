@@ -16,16 +16,7 @@ from kvserve.model.deepseek_v4.generate import greedy_generate
 from kvserve.model.deepseek_v4.loader import load_deepseek_v4
 from kvserve.sampling_params import SamplingParams
 from tests.v4_reference import Reference
-from tests.v4_tiny import CSA, HCA, SLIDING, hf_greedy, tiny_v4_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: torch's thread pool costs far more than the math on a busy host."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.v4_tiny import CSA, HCA, SLIDING, one_thread, hf_greedy, tiny_v4_model  # noqa: F401 (one_thread: autouse)
 
 
 def _prompts(lengths, seed=1):

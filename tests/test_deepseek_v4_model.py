@@ -11,7 +11,7 @@ import torch
 from kvserve.model.deepseek_v4.config import DeepseekV4Config
 from kvserve.model.deepseek_v4.generate import greedy_generate
 from kvserve.model.deepseek_v4.loader import dummy_config, load_deepseek_v4
-from tests.v4_tiny import CSA, HCA, SLIDING, hf_greedy, tiny_v4_model
+from tests.v4_tiny import CSA, HCA, SLIDING, one_thread, hf_greedy, tiny_v4_model  # noqa: F401 (one_thread: autouse)
 
 HF_FORM = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "head_dim": 32, "num_attention_heads": 4,
            "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_head_dim": 16, "n_routed_experts": 4,
@@ -24,15 +24,6 @@ CHECKPOINT_FORM = {k: v for k, v in HF_FORM.items()
                    if k not in ("layer_types", "mlp_layer_types", "rope_parameters", "partial_rotary_factor")} | {
     "compress_ratios": [4, 128, 0, 0], "num_hash_layers": 1, "qk_rope_head_dim": 8, "compress_rope_theta": 160000.0,
     "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64}}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: torch's thread pool costs far more than the math on a busy host."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_both_config_forms_agree():

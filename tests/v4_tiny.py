@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+# A test module that imports this fixture runs with one torch thread.
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: torch's thread pool costs far more than the math on a busy host."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def tiny_v4_config(layer_types: list[str], **overrides) -> "transformers.DeepseekV4Config":
