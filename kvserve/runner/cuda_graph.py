@@ -41,6 +41,19 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def capture_graph(run, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One warm-up run (Triton compiles and autotunes outside capture), then
+    the capture of `run` into `pool`: (graph, its static output)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = run()
+    return graph, output
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, num_groups: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, device: torch.device) -> None:
@@ -81,14 +94,7 @@ class DecodeGraphs:
             size, bucket = key
             run = lambda: self.model(self.input_ids[:size], self.positions[:size],  # noqa: E731
                                      self._meta(size, bucket))
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()  # warm-up: Triton compiles and autotunes outside capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[key] = run()
-            self.graphs[key] = graph
+            self.graphs[key], self.outputs[key] = capture_graph(run, pool, stream)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d, context buckets %s)",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.buckets)

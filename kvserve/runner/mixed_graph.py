@@ -26,6 +26,7 @@ import torch
 from kvserve.attention.kernels.prefill import PrefillConfig, tile_table
 from kvserve.attention.metadata import AttentionMetadata, PrefillTiles
 from kvserve.runner.batch import upload
+from kvserve.runner.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +105,7 @@ class MixedGraphs:
         for bucket in reversed(self.buckets):
             run = lambda: self.model(self.input_ids[:bucket], self.positions[:bucket],  # noqa: E731
                                      self._meta(bucket))
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()  # warm-up: Triton compiles outside capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bucket] = run()
-            self.graphs[bucket] = graph
+            self.graphs[bucket], self.outputs[bucket] = capture_graph(run, pool, stream)
         torch.cuda.synchronize()
         logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens)", len(self.graphs),
                     self.buckets[0], self.buckets[-1])
