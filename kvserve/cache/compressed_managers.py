@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvserve.cache.managers import (MANAGER_FOR_SPEC, HitBlock, SingleTypeManager, SlidingWindowManager,
-                                    block_content, cdiv)
+                                    cdiv)
 from kvserve.cache.v4_specs import CompressedSpec, CompressorStateSpec
 
 
@@ -38,17 +38,6 @@ class CompressedManager(SingleTypeManager):
 
     def max_blocks(self, num_tokens: int, chunk_tokens: int = 1) -> int:
         return sum(1 for i in range(cdiv(num_tokens, self.block_size)) if self._holds(i))
-
-    def cache_full_blocks(self, request_id: str, block_hashes: Sequence[bytes],
-                          token_ids: Sequence[int], num_tokens: int) -> None:
-        table = self.blocks(request_id)
-        start = self.num_cached_blocks.get(request_id, 0)
-        end = min(num_tokens // self.block_size, len(block_hashes), len(table))
-        for index in range(start, end):
-            if not table[index].is_null:
-                content = block_content(block_hashes, token_ids, index, self.block_size)
-                self.pool.cache_block(table[index], self.group_id, block_hashes[index], content)
-        self.num_cached_blocks[request_id] = max(start, end)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                                max_length: int) -> list[HitBlock]:

@@ -94,14 +94,17 @@ class SingleTypeManager(abc.ABC):
 
     def cache_full_blocks(self, request_id: str, block_hashes: Sequence[bytes],
                           token_ids: Sequence[int], num_tokens: int) -> None:
-        """Register blocks full of known tokens within [0, num_tokens)."""
+        """Register blocks full of known tokens within [0, num_tokens). NULL
+        entries (a window's dropped blocks, a compressed group's slots where no
+        window ends) hold nothing to cache."""
         table = self.blocks(request_id)
         start = self.num_cached_blocks.get(request_id, 0)
         end = min(num_tokens // self.block_size, len(block_hashes), len(table))
         for index in range(start, end):
             block = table[index]
-            content = block_content(block_hashes, token_ids, index, self.block_size)
-            self.pool.cache_block(block, self.group_id, block_hashes[index], content)
+            if not block.is_null:
+                content = block_content(block_hashes, token_ids, index, self.block_size)
+                self.pool.cache_block(block, self.group_id, block_hashes[index], content)
         self.num_cached_blocks[request_id] = max(start, end)
 
     def free(self, request_id: str) -> None:

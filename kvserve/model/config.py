@@ -118,7 +118,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or _attention_bias(cfg, arch),
             o_proj_bias=_attention_bias(cfg, arch),
             qk_norm=arch == "Qwen3ForCausalLM",
-            eos_token_ids=_eos_ids(cfg, generation_config or {}),
+            eos_token_ids=eos_ids(cfg, generation_config or {}),
             bos_token_id=cfg.get("bos_token_id"),
             layer_specs=_layer_specs(cfg, arch),
         )
@@ -185,7 +185,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
             "original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))))
 
 
-def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:
+def eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:
+    """End-of-sequence ids from config.json and generation_config.json, each once, in order."""
     ids: list[int] = []
     for source in (cfg.get("eos_token_id"), generation_config.get("eos_token_id")):
         for token in source if isinstance(source, list) else [source]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.model.config import eos_ids
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -160,7 +162,7 @@ class DeepseekV4Config:
             compress_yarn=_yarn(compress),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 1048576)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids(cfg, generation_config or {}), bos_token_id=cfg.get("bos_token_id"))
+            eos_token_ids=eos_ids(cfg, generation_config or {}), bos_token_id=cfg.get("bos_token_id"))
 
 
 def is_deepseek_v4(hf_config: dict[str, Any]) -> bool:
@@ -239,11 +241,3 @@ def _yarn(compress: dict[str, Any]) -> YarnScaling | None:
                        original_max_position_embeddings=int(compress["original_max_position_embeddings"]),
                        beta_fast=float(compress.get("beta_fast") or 32), beta_slow=float(compress.get("beta_slow") or 1))
 
-
-def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (cfg.get("eos_token_id"), generation_config.get("eos_token_id")):
-        for token in source if isinstance(source, list) else [source]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    return tuple(ids)
