@@ -102,3 +102,5 @@ def test_profile_on_gpu_times_the_decode_kernel(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "device kernels" in text and "decode attention (kernels)" in text
     assert "of the measured copy limit" in text
+    # CPU ops and the range also carry their kernels' device time: listing them counts kernels twice.
+    assert "aten::" not in text and "kvserve::" not in text

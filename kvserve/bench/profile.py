@@ -142,11 +142,18 @@ def _kernel_rows(prof, on_gpu: bool) -> list[dict[str, Any]]:
     rows = []
     for e in prof.key_averages():
         device_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
-        if on_gpu and device_us > 0:
+        if on_gpu and _is_device_kernel(e) and device_us > 0:
             rows.append({"name": e.key, "us": device_us, "calls": e.count})
         elif not on_gpu and not e.key.startswith(("kvserve::", "ProfilerStep")) and e.self_cpu_time_total > 0:
             rows.append({"name": e.key, "us": e.self_cpu_time_total, "calls": e.count})
     return sorted(rows, key=lambda r: -r["us"])
+
+
+def _is_device_kernel(e) -> bool:
+    """A kernel on the device, not a CPU op or range: aten::mm and the `kvserve::` range also carry
+    the device time of what they launched, and counting them too would count every kernel twice."""
+    from torch.autograd import DeviceType
+    return e.device_type != DeviceType.CPU and not e.key.startswith(("kvserve::", "ProfilerStep"))
 
 
 def _range_us(prof, name: str) -> tuple[float, int]:
