@@ -13,10 +13,19 @@
 #   benchmarks/mutation_test.sh HEAD 'kvserve.cache.*'          # one package
 #   MUTATION_WORKDIR=/tmp/mut benchmarks/mutation_test.sh HEAD  # reuse a run (mutmut resumes)
 #
+# Sampling (a package too large to run in full): MUTATION_SAMPLE=N runs a
+# uniform random sample of N of the mutants matching the globs (all when none
+# is given), drawn with MUTATION_SEED (default 0) by mutation_sample.py from
+# the sorted mutant names, so a commit and a seed always give the same sample.
+# The scores then count only the sample, with a 95 % interval.
+#
+#   MUTATION_SAMPLE=250 MUTATION_SEED=1 benchmarks/mutation_test.sh HEAD 'kvserve.cache.*'
+#
 # Prints mutmut's survivors and the score per module (killed / mutants; a
 # timeout counts as killed, "no tests" as survived).
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
+here="$repo/benchmarks"
 commit=${1:-HEAD}
 shift || true
 work=${MUTATION_WORKDIR:-$(mktemp -d /tmp/kvserve-mutation.XXXXXX)}
@@ -26,6 +35,23 @@ if [ ! -f "$work/pyproject.toml" ]; then
 fi
 echo "mutation run of $(git -C "$repo" rev-parse --short "$commit") in $work"
 cd "$work"
-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 mutmut run --max-children 1 "$@" || true
+mutmut_run() {
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 mutmut run --max-children 1 "$@" || true
+}
+sample=""
+if [ -n "${MUTATION_SAMPLE:-}" ]; then
+  # Generate every mutant (and the per-test stats) without running any: a
+  # name that matches nothing stops mutmut right after that.
+  if [ ! -f mutants/mutmut-stats.json ]; then
+    mutmut_run 'kvserve.no_such_module.x_none__mutmut_0' > generate.log 2>&1
+  fi
+  mutmut results --all true > all_mutants.txt 2>&1
+  python "$here/mutation_sample.py" all_mutants.txt "$MUTATION_SAMPLE" "${MUTATION_SEED:-0}" "$@" > sample.txt
+  sample=sample.txt
+  mapfile -t names < sample.txt
+  mutmut_run "${names[@]}"
+else
+  mutmut_run "$@"
+fi
 mutmut results --all true > results.txt 2>&1 || true
-python "$repo/benchmarks/mutation_scores.py" results.txt
+python "$here/mutation_scores.py" results.txt $sample
