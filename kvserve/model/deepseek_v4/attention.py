@@ -100,7 +100,7 @@ class V4Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
         comps = self.compressors()
-        past = kv_store.past(self.layer_idx, tuple(comps), x,
+        past = kv_store.past(self.layer_idx, tuple(comps), kv,
                              {n: (c.width, c.dim) for n, c in comps.items()})
         raw_new = {n: (c.wkv(x), c.wgate(x)) for n, c in comps.items()}
         new_entries = {n: c.new_entries(_joined(past.raw[n], raw_new[n]), p0, p_end, rope)
