@@ -150,7 +150,7 @@ class V4KVLayout:
 def _blocks(spec, block_size: int, context: int, chunk: int) -> int:
     if isinstance(spec, CompressedSpec):
         return sum(1 for i in range(-(-context // block_size)) if spec.holds_entry(i, block_size))
-    bounded = -(-(spec.window - 1 + chunk) // block_size) + 1
+    bounded = -(-(spec.window - 2 + chunk) // block_size) + 1  # as SlidingWindowManager.max_blocks
     return min(-(-context // block_size), bounded)
 
 
