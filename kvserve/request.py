@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.detokenizer import DetokenizerState
+from kvserve.outputs import PromptLogprobRow
 from kvserve.sampling_params import SamplingParams
 
 
@@ -60,6 +61,9 @@ class Request:
     # Sampling bookkeeping.
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: row i is prompt token i + 1's, stored as
+    # prefill chunks resolve (kvserve/runner/prompt_logprobs.py).
+    prompt_logprobs: list[PromptLogprobRow | None] = field(default_factory=list)
     stop_reason: str | int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -31,7 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
-    # Logprobs of each prompt token given the ones before it (None: not computed).
+    # Logprobs of each prompt token given the ones before it, with the top n
+    # (None: not computed). Such a request computes its whole prompt: it takes
+    # no prefix-cache hit (a hit skips the positions), as in vLLM.
     prompt_logprobs: int | None = None
     # A compiled-grammar request (kvserve/structured): JSON schema, regex, choice...
     structured: Any = None

@@ -45,6 +45,12 @@ then would recompute the rest.) The head can be overtaken at most
 each other, so under this policy an admission must also leave one free block
 per running request (each may cross a block boundary before the next
 admission).
+
+Prompt logprobs: a prefix hit skips computing its positions, and with them
+their logprobs, so a request asking for prompt logprobs takes a hit only over
+positions whose logprobs it already has (re-admitted after a preemption, say);
+otherwise it computes its whole prompt, uncounted as a prefix-cache query
+(vLLM does the same). Its blocks are still cached for the requests after it.
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.cache.host_tier import CopyBatch
-from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvserve.config import PREEMPTION_MODES, SchedulerConfig
 from kvserve.request import Request, RequestStatus
 
@@ -262,6 +268,9 @@ class Scheduler:
                 blocked = True
                 break
             computed, num_hit = self.kv_cache.get_computed_blocks(request)
+            skips_hit = _loses_prompt_logprobs(request, computed, num_hit)
+            if skips_hit:
+                computed, num_hit = ComputedBlocks([], 0), 0
             num_new = min(request.num_tokens - num_hit, budget)
             if not deferring and out.scheduled and computed.num_host_blocks:
                 out.kv_copies = self.kv_cache.take_pending_copies()  # what this forward waits for
@@ -278,7 +287,8 @@ class Scheduler:
                 self._blocked_head = (request, self.kv_cache.num_free_blocks)
                 break  # First come first served: nobody overtakes the head.
             self._blocked_head = None
-            self.kv_cache.record_prefix_lookup(request, num_hit, computed)
+            if not skips_hit:
+                self.kv_cache.record_prefix_lookup(request, num_hit, computed)
             self.waiting.popleft()
             self._admit(request, num_hit)
             if deferring:
@@ -302,7 +312,8 @@ class Scheduler:
             return head
         for i in range(1, min(len(self.waiting), PREFIX_WINDOW)):
             request = self.waiting[i]
-            if request.num_preemptions == 0 and self.kv_cache.first_block_hash(request) in shared:
+            if (request.num_preemptions == 0 and request.sampling_params.prompt_logprobs is None
+                    and self.kv_cache.first_block_hash(request) in shared):
                 head.num_overtaken += 1
                 self.num_prefix_overtakes += 1
                 del self.waiting[i]
@@ -346,3 +357,11 @@ class Scheduler:
             self.waiting.remove(request)
         request.num_pending_tokens = 0
         self.finish(request, status)
+
+
+def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: int) -> bool:
+    """True when a hit would skip prompt positions whose logprobs the request
+    still needs (module doc). Its own swapped-out blocks are no such hit."""
+    if request.sampling_params.prompt_logprobs is None or computed.is_swap_in:
+        return False
+    return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)

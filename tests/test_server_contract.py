@@ -235,9 +235,56 @@ def test_echo_prepends_the_prompt_and_stop_reason_names_the_stop(server):
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
                                             echo=True, stop=["."], stream=True))
     assert "".join(c.choices[0].text for c in chunks) == prompt + " Paris"
-    error = _error(_post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "echo": True,
-                                                     "logprobs": 1}), 400)
-    assert error["param"] == "echo"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_lists_the_prompt_tokens_then_the_completion(server, stream):
+    """The prompt's tokens lead, the first with null logprobs; token texts join
+    into the echoed text and text_offset indexes it (a stream continues it)."""
+    client = _client(server)
+    prompt = "The capital of France is"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+        text = "".join(c.text for c in chunks)
+        lp = {key: [v for c in chunks for v in getattr(c.logprobs, key)]
+              for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        text, lp = choice.text, choice.logprobs.model_dump()
+    ids = server.engine.encode_prompt(prompt)
+    tokens = lp["tokens"]
+    assert text.startswith(prompt + " Paris") and "".join(tokens) == text
+    assert tokens[:len(ids)] == [server.engine.tokenizer.decode([t]) for t in ids]
+    assert lp["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for token, logprob, top in zip(tokens[1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert logprob <= 0 and top[token] == logprob and 1 <= len(top) <= 2
+        assert max(top.values()) >= logprob
+    for token, top in zip(tokens[len(ids):], lp["top_logprobs"][len(ids):]):
+        assert max(top, key=top.get) == token   # greedy: the completion's tokens are the top ones
+
+
+def test_prompt_logprobs_field_in_vllm_shape(server):
+    """Completions: per choice; chat: beside the choices (vLLM's places). Not with stream."""
+    client = _client(server)
+    prompt = "The capital of France is"
+    choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 2}).choices[0]
+    rows, ids = choice.model_extra["prompt_logprobs"], server.engine.encode_prompt(prompt)
+    assert rows[0] is None and len(rows) == len(ids) and choice.logprobs is None
+    for token, row in zip(ids[1:], rows[1:]):
+        assert str(token) in row and 2 <= len(row) <= 3
+        assert sorted(e["rank"] for e in row.values())[:2] == [1, 2]   # the top 2, and the token's own
+        assert row[str(token)]["decoded_token"] == server.engine.tokenizer.decode([token])
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=2, extra_body={"prompt_logprobs": 0})
+    rows = reply.model_extra["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == reply.usage.prompt_tokens
+    assert all(len(row) == 1 and next(iter(row.values()))["logprob"] <= 0 for row in rows[1:])
+    error = _error(_post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True, "prompt_logprobs": 1}), 400)
+    assert error["param"] == "prompt_logprobs"
 
 
 # -- structured output and tools -------------------------------------------------------------------

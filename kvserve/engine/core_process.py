@@ -163,9 +163,12 @@ class EngineCore:
             return None
         ids = request.output_token_ids
         logprobs = request.logprobs[sent:] if request.sampling_params.logprobs is not None else None
+        first = sent == 0
         out = CoreOutput(request.request_id, ids[sent:], logprobs,
                          num_cached_tokens=max(request.num_cached_tokens, 0),
-                         scheduled_time=request.first_scheduled_time if sent == 0 else None)
+                         scheduled_time=request.first_scheduled_time if first else None)
+        if first and request.sampling_params.prompt_logprobs is not None:
+            out.prompt_logprobs = list(request.prompt_logprobs)
         if request.is_finished:
             out.finish_reason = request.status.value
             out.stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None

@@ -5,8 +5,9 @@ sampling parameters, already tokenized) and request ids to abort. The core
 answers with `CoreOutputs`: one message per engine step carrying every
 request's new token ids (plus logprobs, finish reason, cached-token count),
 the jobs it accepted or rejected since the last message, and now and then a
-metrics snapshot. Text never crosses: tokenization, detokenization and
-stop strings are the API side's.
+metrics snapshot. Prompt logprobs, when a request asked, ride with its first
+output (its prompt is computed by then) as compact rows. Text never crosses:
+tokenization, detokenization and stop strings are the API side's.
 
 Messages are msgspec structs encoded as msgpack. SamplingParams travel
 pickled (a field may hold any object, a compiled grammar say), and so does any
@@ -20,6 +21,8 @@ import pickle
 from typing import Any, Callable
 
 import msgspec
+
+from kvserve.outputs import PromptLogprobRow
 
 _PICKLE_EXT = 1
 
@@ -60,6 +63,8 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None          # the stop token id, when one ended the request
     num_cached_tokens: int = 0
     scheduled_time: float | None = None     # sent with a request's first output
+    # SamplingParams.prompt_logprobs: row i is prompt token i + 1's (first output only).
+    prompt_logprobs: list[PromptLogprobRow | None] | None = None
 
 
 class Rejection(msgspec.Struct, array_like=True):

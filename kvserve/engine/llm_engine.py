@@ -4,6 +4,7 @@ nothing about blocks (the KV cache manager does) or kernels (the backend does).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -13,10 +14,11 @@ from kvserve.config import EngineArgs
 from kvserve import detokenizer
 from kvserve.diagnose.recorder import RequestRecorder
 from kvserve.engine.builder import EngineParts, build_engine_parts
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprobs_of
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.runner.model_runner import InFlightStep, StepResult
+from kvserve.runner.prompt_logprobs import PromptLogprobs
 from kvserve.runner.sampler import RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.requests: dict[str, Request] = {}
         self._in_flight: InFlightStep | None = None
+        self.prompt_logprobs = PromptLogprobs()   # requests whose prompt logprobs are still to compute
         self._ids = itertools.count()
         self.stats = EngineStats()
         self._num_failed_steps = 0
@@ -61,6 +64,7 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.runner.sampler.track(request)
+        self.prompt_logprobs.track(request)
         self.recorder.on_arrival(request)
         self.scheduler.add_request(request)
 
@@ -130,7 +134,7 @@ class LLMEngine:
         start = time.monotonic()
         block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
         try:
-            launched = self.runner.launch(out, block_ids, self._in_flight)
+            launched = self.runner.launch(out, block_ids, self._in_flight, self.prompt_logprobs)
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step
             return self._on_step_error(e, [s.request for s in out.scheduled])
         self._num_failed_steps = 0
@@ -263,6 +267,7 @@ class LLMEngine:
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
         self.runner.sampler.forget(request.request_id)
+        self.prompt_logprobs.forget(request.request_id)
 
     # -- outputs -------------------------------------------------------------------
     def detokenize(self, token_ids: list[int]) -> str:
@@ -285,7 +290,17 @@ class LLMEngine:
                                  request.first_token_time, request.finished_time, request.num_preemptions,
                                  request.timeline())
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             max(request.num_cached_tokens, 0), [completion], finished, metrics)
+                             max(request.num_cached_tokens, 0), [completion], finished, metrics,
+                             self._prompt_logprobs(request))
+
+    def _prompt_logprobs(self, request: Request) -> list | None:
+        """vLLM's RequestOutput.prompt_logprobs, decoded tokens included; None unless asked for."""
+        if request.sampling_params.prompt_logprobs is None:
+            return None
+        tok = self.tokenizer
+        # A prompt repeats tokens: decode each id once.
+        decode = functools.lru_cache(maxsize=None)(lambda t: tok.decode([t])) if tok is not None else None
+        return prompt_logprobs_of(request.prompt_token_ids, request.prompt_logprobs, decode)
 
     def get_metrics(self) -> dict[str, Any]:
         kv = self.kv_cache

@@ -20,6 +20,7 @@ from kvserve.runner.batch import ModelInputs, prepare_inputs, upload
 from kvserve.cache.host_tier import CopyBatch
 from kvserve.runner.cuda_graph import DecodeGraphs
 from kvserve.runner.kv_transfer import KVTransfer
+from kvserve.runner.prompt_logprobs import PendingPromptLogprobs, PromptLogprobs
 from kvserve.request import PENDING_TOKEN
 from kvserve.runner.sampler import PendingSample, Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput
@@ -107,12 +108,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, block_ids: list[list[list[int]]],
-               previous: "InFlightStep | None" = None) -> "InFlightStep":
+               previous: "InFlightStep | None" = None,
+               prompt_logprobs: PromptLogprobs | None = None) -> "InFlightStep":
         """Queue one step's forward and sampling without waiting for the device.
 
         Tokens still pending from `previous` (sampled there, not yet on the
         host) are gathered from its device ids, so the host never waits for
-        step N before launching step N+1.
+        step N before launching step N+1. `prompt_logprobs` (empty unless a
+        request asked) adds the prompt rows of the requests it tracks.
         """
         self.copy_blocks(out.kv_copies)  # before the forward: loads land, saves read old KV
         if self.kv_transfer is not None:
@@ -122,12 +125,14 @@ class ModelRunner:
                                 self.layout.num_groups, self.device)
         self._fill_pending(inputs, out, previous)
         hidden = self._forward(inputs)
+        prompt = prompt_logprobs.launch(self.model, hidden, out.scheduled, inputs.host.query_start_loc) \
+            if prompt_logprobs else None
         if not inputs.sampling_rows:
-            return InFlightStep([], None)
+            return InFlightStep([], None, prompt)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = [s.request.sampling_params for s in inputs.sampling_rows]
         ids = [s.request.request_id for s in inputs.sampling_rows]
-        return InFlightStep(inputs.sampling_rows, self.sampler.sample(logits, params, ids))
+        return InFlightStep(inputs.sampling_rows, self.sampler.sample(logits, params, ids), prompt)
 
     def execute(self, out: SchedulerOutput, block_ids: list[list[list[int]]]) -> StepResult:
         """Launch and wait: one step, unpipelined."""
@@ -159,15 +164,21 @@ class ModelRunner:
 
 
 class InFlightStep:
-    """A launched step: which requests sample, and their pending sample."""
+    """A launched step: which requests sample, their pending sample, and
+    the pending prompt logprobs (None unless a request asked)."""
 
-    def __init__(self, rows: list[ScheduledRequest], sample: PendingSample | None) -> None:
+    def __init__(self, rows: list[ScheduledRequest], sample: PendingSample | None,
+                 prompt: PendingPromptLogprobs | None = None) -> None:
         self.rows = rows
         self.sample = sample
+        self.prompt = prompt
         self.row_of = {s.request.request_id: i for i, s in enumerate(rows)}
 
     def resolve(self) -> StepResult:
-        """Wait for this step's sampled ids on the host."""
+        """Wait for this step's sampled ids on the host (prompt logprobs go
+        straight into their requests)."""
+        if self.prompt is not None:
+            self.prompt.resolve()
         if self.sample is None:
             return StepResult([], SamplerOutput([], [], []))
         return StepResult(self.rows, self.sample.resolve())

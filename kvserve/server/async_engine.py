@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator
 
 from kvserve.engine.core_protocol import (
     CoreInputs, CoreJob, CoreOutput, CoreOutputs, CoreRequest, Rejection, pack_sampling_params)
+from kvserve.outputs import PromptLogprobRow
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.output_processor import ChoiceOutput
 from kvserve.server.protocol import APIError
@@ -72,6 +73,8 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_reason: str | int | None = None   # the stop string or stop token id that ended it
+    # Prompt logprobs (SamplingParams.prompt_logprobs), on a choice's first delta only.
+    prompt_logprobs: list[PromptLogprobRow | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,7 @@ class Submission:
         self.num_open = job.num_choices   # choices whose final delta is not yet queued
         self.choices: list[_Choice] = []
         self.prompt_lens: list[int] = []
+        self.prompt_token_ids: list[list[int]] = []
         self.aborted = False
         self._on_choice_done = on_choice_done
 
@@ -242,6 +246,7 @@ class AsyncEngine:
                 packed, grammar_json = _core_params(params)
                 requests.append(CoreRequest(request_id, token_ids, packed, sub.arrival_time, grammar_json))
             sub.prompt_lens.append(len(token_ids))
+            sub.prompt_token_ids.append(token_ids)
         return CoreJob(sub.id, requests)
 
     def _tokenize(self, prompt: str | list[int] | list[dict[str, Any]]) -> list[int]:
@@ -317,7 +322,7 @@ class AsyncEngine:
     def _emit(self, choice: _Choice, out: CoreOutput, now: float) -> None:
         self._observe_token_times(choice, out, now)
         choice.num_cached_tokens = out.num_cached_tokens
-        if choice.output.append(out.new_token_ids, out.new_logprobs):
+        if choice.output.append(out.new_token_ids, out.new_logprobs, out.prompt_logprobs):
             self._choices.pop(choice.request_id, None)
             self._queue(aborts=[choice.request_id])   # the core does not know stop strings
             self._finish(choice, "stop", now)
@@ -325,7 +330,8 @@ class AsyncEngine:
             self._choices.pop(choice.request_id, None)
             self._finish(choice, out.finish_reason, now, out.stop_reason)
         else:
-            choice.submission.deliver(Delta(choice.index, *choice.output.next_delta()))
+            choice.submission.deliver(Delta(choice.index, *choice.output.next_delta(),
+                                            prompt_logprobs=choice.output.take_prompt_logprobs()))
 
     def _observe_token_times(self, choice: _Choice, out: CoreOutput, now: float) -> None:
         if out.scheduled_time is not None:
@@ -345,7 +351,8 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_finished(choice, reason)
         choice.submission.deliver(Delta(choice.index, token_ids, text, logprobs, reason,
-                                        choice.num_prompt_tokens, choice.num_cached_tokens, stop_reason))
+                                        choice.num_prompt_tokens, choice.num_cached_tokens, stop_reason,
+                                        output.take_prompt_logprobs()))
 
     # -- failures ------------------------------------------------------------------------------
     def _fail_submission(self, sub: Submission, error: Exception) -> None:

@@ -6,6 +6,8 @@ caller aborts the request in the core).
 Text semantics match the in-process engine's: a streamed delta holds back an
 incomplete UTF-8 character and a tail that could still grow into a stop
 string; the final text is the full decode, or the text cut at the stop string.
+Prompt logprobs arrive once, with the first output, and leave with the
+first delta.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from kvserve import detokenizer
 from kvserve.detokenizer import DetokenizerState
+from kvserve.outputs import PromptLogprobRow
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +34,14 @@ class ChoiceOutput:
         self.stop_string: str | None = None
         self.num_sent_tokens = 0
         self.sent_text = ""
+        self._prompt_logprobs: list[PromptLogprobRow | None] | None = None
 
-    def append(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> bool:
+    def append(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+               prompt_logprobs: list[PromptLogprobRow | None] | None = None) -> bool:
         """Add tokens from the core; True when a stop string ended the output
         (tokens after the one that completed it are dropped)."""
+        if prompt_logprobs is not None:
+            self._prompt_logprobs = prompt_logprobs
         for i, token in enumerate(token_ids):
             self.token_ids.append(token)
             if self.want_logprobs and logprobs is not None:
@@ -86,6 +93,11 @@ class ChoiceOutput:
             new_text = ""
         self.sent_text = text
         return self._take_tokens_and_logprobs(new_text)
+
+    def take_prompt_logprobs(self) -> list[PromptLogprobRow | None] | None:
+        """The prompt logprobs once (for the first delta), then None."""
+        rows, self._prompt_logprobs = self._prompt_logprobs, None
+        return rows
 
     def _full_text(self) -> str:
         if self.tokenizer is None:

@@ -161,7 +161,8 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: Literal[True] | None = None
     include_stop_str_in_output: Literal[False] | None = None
     priority: Literal[0] | None = None
-    prompt_logprobs: Unsupported = None
+    # vLLM's: each prompt token's logprob and the top n (non-streaming responses only).
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
     logits_processors: Unsupported = None
     bad_words: Unsupported = None
     truncate_prompt_tokens: Unsupported = None
@@ -178,6 +179,8 @@ class _SamplingFields(_Strict):
     def _check_fields(self) -> "_SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "prompt_logprobs is not available when stream is true")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise FieldError("stop", f"stop accepts at most 4 sequences, got {len(self.stop)}")
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
@@ -203,7 +206,8 @@ class _SamplingFields(_Strict):
         the model's generation defaults, then every field the client set."""
         kwargs = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
         kwargs.update(stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
-                      ignore_eos=bool(self.ignore_eos), logprobs=logprobs)
+                      ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+                      prompt_logprobs=self.num_prompt_logprobs)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens"):
             if getattr(self, name) is not None:
@@ -213,6 +217,10 @@ class _SamplingFields(_Strict):
         if self.logit_bias:
             kwargs["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         return kwargs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -230,6 +238,14 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool | None = None
     best_of: Literal[1] | None = None
     suffix: Unsupported = None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` echoes the prompt's logprobs too (vLLM's rule:
+        an explicit `prompt_logprobs` wins)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):

@@ -6,6 +6,11 @@ Chat prompts (tools and tool-call history included) and grammars are made here,
 with the HTTP side's own tokenizer copy, so the engine thread only runs steps.
 A request that fails inside the engine ends with a 500 JSON body, or, once a
 stream has started, an SSE error event followed by `[DONE]`.
+
+Completions with `echo` and `logprobs` list the prompt's tokens first (the
+first with null logprobs, as nothing precedes it), from the prompt logprobs
+the engine computes for such requests; `prompt_logprobs` (vLLM's field)
+returns them in vLLM's shape, per choice (completions) or per response (chat).
 """
 from __future__ import annotations
 
@@ -21,12 +26,15 @@ from typing import Any, AsyncIterator
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvserve.outputs import PromptLogprobRow, prompt_logprobs_of
 from kvserve.server import tools as tool_calls
 from kvserve.server.async_engine import AsyncEngine, Delta, Job, Overloaded, Submission
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 
 logger = logging.getLogger(__name__)
 ENGINE_ERROR = "the engine failed while running this request; other requests are unaffected"
+# What OpenAI (and vLLM) send for a logprob of -inf, which JSON cannot carry.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -39,6 +47,10 @@ class _Choice:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     sent: str = ""   # content already streamed (tool-call mode holds some back)
+    # Characters of the token texts streamed so far, echo included: where the
+    # next chunk's logprobs text_offset starts (as in the one-piece response).
+    token_chars: int = 0
+    prompt_logprobs: list[PromptLogprobRow | None] | None = None
 
 
 class _Format:
@@ -47,9 +59,12 @@ class _Format:
     chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer, num_logprobs: int | None, echo: list[str] | None = None, n: int = 1) -> None:
+    def __init__(self, tokenizer, num_logprobs: int | None, echo: list[str] | None = None, n: int = 1,
+                 prompt_logprobs: bool = False) -> None:
         self.tokenizer, self.num_logprobs = tokenizer, num_logprobs
         self.echo, self.n = echo, n
+        self.want_prompt_logprobs = prompt_logprobs   # vLLM's `prompt_logprobs` field in the response
+        self.prompt_token_ids: list[list[int]] = []   # per prompt, known once the job is submitted
 
     @property
     def want_logprobs(self) -> bool:
@@ -59,24 +74,58 @@ class _Format:
         return self.echo[index // self.n] if self.echo else ""
 
     def choice(self, index: int, c: _Choice) -> dict[str, Any]:
-        return {"index": index, "text": self._echo(index) + c.text, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, "logprobs": self.logprobs(c.token_ids, c.logprobs)}
+        out = {"index": index, "text": self._echo(index) + c.text, "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason,
+               "logprobs": self._completion_logprobs(index, c, c.token_ids, c.logprobs, self.echo is not None, 0)}
+        if self.want_prompt_logprobs:
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs(index, c.prompt_logprobs)
+        return out
 
     def chunk_choices(self, d: Delta, c: _Choice, first: bool) -> list[dict[str, Any]]:
         text = (self._echo(d.index) if first else "") + d.text
+        echo = first and self.echo is not None
+        logprobs = self._completion_logprobs(d.index, c, d.token_ids, d.logprobs or [], echo, c.token_chars)
+        if logprobs is not None and logprobs["tokens"]:
+            c.token_chars = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return [{"index": d.index, "text": text, "finish_reason": d.finish_reason,
-                 "stop_reason": d.stop_reason, "logprobs": self.logprobs(d.token_ids, d.logprobs or [])}]
+                 "stop_reason": d.stop_reason, "logprobs": logprobs}]
+
+    def response_fields(self, choices: list[_Choice]) -> dict[str, Any]:
+        """Response-level fields beyond id, object, choices and usage."""
+        return {}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any] | None:
+    def _completion_logprobs(self, index: int, c: _Choice, token_ids: list[int],
+                             entries: list[dict[int, float]], echo: bool, offset: int) -> dict[str, Any] | None:
+        """OpenAI completion logprobs, led by the prompt's tokens when echoing."""
+        if not self.want_logprobs:
+            return None
+        if echo:
+            prompt_ids = self.prompt_token_ids[index // self.n]
+            token_ids = prompt_ids + token_ids
+            entries = _prompt_entries(prompt_ids, c.prompt_logprobs) + entries
+        return self.logprobs(token_ids, entries, offset)
+
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None],
+                 offset: int = 0) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         tokens = [self.token_text(t) for t in token_ids]
-        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{self.token_text(k): v for k, v in e.items()} for e in entries],
-                "text_offset": _offsets(tokens)}
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else _clamp(e[t]) for t, e in zip(token_ids, entries)],
+                "top_logprobs": [None if e is None else {self.token_text(k): _clamp(v) for k, v in e.items()}
+                                 for e in entries],
+                "text_offset": _offsets(tokens, offset)}
+
+    def vllm_prompt_logprobs(self, index: int, rows: list[PromptLogprobRow | None] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: null, then token id -> {logprob, rank, decoded_token}."""
+        prompt_ids = self.prompt_token_ids[index // self.n]
+        entries = prompt_logprobs_of(prompt_ids, rows or [], self.token_text)
+        return [None if e is None else {t: {"logprob": _clamp(lp.logprob), "rank": lp.rank,
+                                            "decoded_token": lp.decoded_token} for t, lp in e.items()}
+                for e in entries]
 
 
 class _ChatFormat(_Format):
@@ -84,9 +133,16 @@ class _ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, num_logprobs: int | None, mode: tool_calls.ToolMode | None = None) -> None:
-        super().__init__(tokenizer, num_logprobs)
+    def __init__(self, tokenizer, num_logprobs: int | None, mode: tool_calls.ToolMode | None = None,
+                 prompt_logprobs: bool = False) -> None:
+        super().__init__(tokenizer, num_logprobs, prompt_logprobs=prompt_logprobs)
         self.mode = mode
+
+    def response_fields(self, choices: list[_Choice]) -> dict[str, Any]:
+        """vLLM puts a chat response's prompt logprobs beside its choices (one prompt)."""
+        if not self.want_prompt_logprobs:
+            return {}
+        return {"prompt_logprobs": self.vllm_prompt_logprobs(0, choices[0].prompt_logprobs)}
 
     def choice(self, index: int, c: _Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -122,7 +178,8 @@ class _ChatFormat(_Format):
         delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
         return delta, "tool_calls"
 
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any] | None:
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]],
+                 offset: int = 0) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         content = []
@@ -151,16 +208,13 @@ class GenerationHandler:
     # -- endpoints ---------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: HTTPRequest):
         self._check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported; "
-                                "send echo or logprobs", param="echo")
         params = body.sampling_kwargs(body.logprobs, self.defaults)
         params["structured"] = await self._structured(body, None)
         prompts = body.prompts()
         job = Job(prompts, params, body.max_tokens or self.defaults.get("max_tokens") or 16,
                   body.num_choices_per_prompt)
         echo = [self._prompt_text(p) for p in prompts] if body.echo else None
-        fmt = _Format(self.tokenizer, body.logprobs, echo, job.n)
+        fmt = _Format(self.tokenizer, body.logprobs, echo, job.n, body.prompt_logprobs is not None)
         return await self._serve(job, body, fmt, http)
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest):
@@ -173,7 +227,8 @@ class GenerationHandler:
         params["structured"] = await self._structured(body, mode and (mode, use_tools))
         job = Job([prompt], params, body.max_new_tokens or self.defaults.get("max_tokens"),
                   body.num_choices_per_prompt)
-        return await self._serve(job, body, _ChatFormat(self.tokenizer, body.num_logprobs, mode), http)
+        fmt = _ChatFormat(self.tokenizer, body.num_logprobs, mode, body.prompt_logprobs is not None)
+        return await self._serve(job, body, fmt, http)
 
     def tokenize(self, body) -> dict[str, Any]:
         """vLLM's /tokenize: a prompt (with special tokens by default) or chat messages."""
@@ -256,6 +311,7 @@ class GenerationHandler:
     # -- serving -----------------------------------------------------------------------
     async def _serve(self, job: Job, body, fmt: _Format, http: HTTPRequest):
         sub, prompt_lens = await self._submit(job)
+        fmt.prompt_token_ids = sub.prompt_token_ids
         request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
         meta = {"id": f"{fmt.id_prefix}-{request_id}", "created": int(time.time()), "model": self.model_name}
         if body.is_stream:
@@ -265,7 +321,7 @@ class GenerationHandler:
         choices = await _unless_disconnected(collect, http)
         return JSONResponse({**meta, "object": fmt.object_name,
                              "choices": [fmt.choice(i, c) for i, c in enumerate(choices)],
-                             "usage": _usage(prompt_lens, choices, job.n)})
+                             "usage": _usage(prompt_lens, choices, job.n), **fmt.response_fields(choices)})
 
     async def _submit(self, job: Job) -> tuple[Submission, list[int]]:
         try:
@@ -323,6 +379,8 @@ def _absorb(c: _Choice, d: Delta) -> None:
     c.text += d.text
     c.token_ids += d.token_ids
     c.logprobs += d.logprobs or []
+    if d.prompt_logprobs is not None:
+        c.prompt_logprobs = d.prompt_logprobs
     if d.finished:
         c.finish_reason, c.num_cached_tokens = d.finish_reason, d.num_cached_tokens
         c.stop_reason = d.stop_reason
@@ -414,16 +472,28 @@ def _limit_error(message: str) -> APIError:
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "seed",
-                    "logprobs", "n"}
+                    "logprobs", "prompt_logprobs", "n"}
 
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _offsets(tokens: list[str]) -> list[int]:
-    offsets, at = [], 0
+def _offsets(tokens: list[str], start: int = 0) -> list[int]:
+    """Each token's offset in the choice's text (a stream's chunks continue from `start`)."""
+    offsets, at = [], start
     for t in tokens:
         offsets.append(at)
         at += len(t)
     return offsets
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _prompt_entries(prompt_ids: list[int], rows: list[PromptLogprobRow | None] | None) -> list[dict[int, float] | None]:
+    """Per prompt token: None for the first (and for any the engine lost), else token id -> logprob."""
+    entries = [None if e is None else {t: lp.logprob for t, lp in e.items()}
+               for e in prompt_logprobs_of(prompt_ids, rows or [])]
+    return entries + [None] * (len(prompt_ids) - len(entries))
