@@ -34,11 +34,11 @@ SAMPLED = 7  # the stub engine's token
 
 def scheduler(num_blocks: int, *, block_size: int = 4, budget: int = 64, max_num_seqs: int = 8,
               rotation: int = 0, caching: bool = False, host: HostTier | None = None,
-              costs: PreemptionCosts | None = None) -> Scheduler:
+              costs: PreemptionCosts | None = None, policy: str = "fcfs") -> Scheduler:
     kv = KVCacheManager(make_kv_cache_groups([FullAttentionSpec()]), num_blocks, block_size,
                         enable_prefix_caching=caching, eviction_policy="lru", host_tier=host)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                             max_model_len=512, kv_rotation_interval=rotation)
+                             max_model_len=512, kv_rotation_interval=rotation, scheduling_policy=policy)
     return Scheduler(config, kv, costs)
 
 
@@ -88,6 +88,16 @@ def test_chunked_prefill_under_the_budget_and_the_sequence_cap():
     ])
     assert not s.has_unfinished and s.kv_cache.num_free_blocks == 63
     assert [r.status for r in (a, b, c)] == [RequestStatus.FINISHED_LENGTH] * 3
+
+
+def test_step_output_totals():
+    s = scheduler(64, budget=10)
+    assert s.schedule().is_empty and not s.has_unfinished
+    s.add_request(request("A", 7))
+    s.add_request(request("B", 6))
+    out = s.schedule()
+    assert out.num_tokens == 10 and not out.is_empty
+    assert [i.completes_sequence for i in out.scheduled] == [True, False]
 
 
 def test_running_requests_spend_the_budget_first():
@@ -220,6 +230,18 @@ def test_no_admission_in_a_step_that_preempted():
 
 # -- aborts and finishing ------------------------------------------------------------
 
+def test_a_blocked_head_that_leaves_does_not_block_the_next():
+    """H (3 blocks) cannot fit in the 2 free blocks, so S behind it waits
+    (first come first served). H is aborted: S is the head now and fits."""
+    s = scheduler(4)  # 3 usable
+    s.add_request(request("A", 2))
+    s.add_request(request("H", 12))
+    s.add_request(request("S", 4))
+    assert step(s) == ([("A", 2, 0)], [])
+    assert s.abort_request("H") is not None
+    assert step(s) == ([("A", 1, 2), ("S", 4, 0)], [])
+
+
 def test_abort_frees_blocks_wherever_the_request_is():
     s = scheduler(4)  # 3 usable
     a, b = request("A", 8), request("B", 8)
@@ -258,7 +280,8 @@ def test_admission_sets_running_state_once():
     first = a.first_scheduled_time
     assert first is not None
     step(s)
-    assert a.first_scheduled_time == first and [e for _, e, _ in a.events] == ["scheduled", "prefill"]
+    assert a.first_scheduled_time == first
+    assert [(e, n) for _, e, n in a.events] == [("scheduled", 0), ("prefill", 5)]
 
 
 # -- KV rotation -----------------------------------------------------------------------
@@ -290,8 +313,42 @@ def test_rotation_lets_the_queue_head_in_every_interval():
         ([("B", 1, 9), ("C", 1, 8), ("D", 1, 6)], []),  # B has 6 = 4 + 2 outputs: not yet
         ([("C", 1, 9), ("D", 1, 7), ("A", 8, 0)], ["B"]),  # A takes B's block
     ])
-    assert list(s.waiting) == [b] and s.num_rotations == 2
+    assert list(s.waiting) == [b] and s.num_rotations == s.num_preemptions == 2
     assert a.num_preemptions == 1 and b.status == RequestStatus.PREEMPTED
+
+
+def test_rotations_swap_and_resume_where_they_stopped():
+    """Four requests, room for three, rotation every step, swap forced: every
+    preemption is a rotation and a swap, and every resume computes from the
+    token count the request had when it left (its swapped KV is the hit).
+    Requests rotate more than once; all counters agree."""
+    s = scheduler(4, block_size=32, rotation=1, host=HostTier(8, block_bytes=10),
+                  costs=PreemptionCosts("swap"))
+    reqs = [request(n, 4, 24) for n in "ABCD"]
+    for r in reqs:
+        s.add_request(r)
+    left_at: dict[str, int] = {}
+    resumes = 0
+    for _ in range(200):
+        if not s.has_unfinished:
+            break
+        scheduled, preempted = step(s)
+        for rid, num_new, start in scheduled:
+            if rid in left_at:
+                assert start == left_at.pop(rid) and num_new == 1, rid
+                resumes += 1
+        for rid in preempted:
+            left_at[rid] = [n for _, e, n in s_request(reqs, rid).events if e == "preempted"][-1]
+    assert not s.has_unfinished and all(r.num_output_tokens == 24 for r in reqs)
+    assert resumes == s.num_rotations == s.num_preemptions == s.num_swap_preemptions
+    assert sum(r.num_preemptions for r in reqs) == s.num_preemptions
+    assert max(r.num_preemptions for r in reqs) >= 2
+    assert s.kv_cache.num_swap_outs == s.kv_cache.num_swap_ins == s.num_preemptions
+    assert 2 <= s.num_load_ahead <= resumes  # resumes while others ran were loaded ahead
+
+
+def s_request(reqs: list[Request], rid: str) -> Request:
+    return next(r for r in reqs if r.request_id == rid)
 
 
 def test_rotated_request_goes_behind_the_waiting_ones():
@@ -311,6 +368,48 @@ def test_rotated_request_goes_behind_the_waiting_ones():
     assert len(preempted) == 1 and preempted[0] in "ABC"
     assert [r.request_id for r in s.waiting] == ["E", preempted[0]]
     assert scheduled[-1] == ("D", 4, 0)
+
+
+def test_the_wait_count_restarts_after_a_rotation():
+    """Interval 2, two waiting. A is rotated at step 5 and D gets in; E still
+    waits, but its count starts again: 1 after step 5, so no rotation at
+    step 6 (B, 4 outputs, would be a candidate) and B goes at step 7."""
+    s = scheduler(4, block_size=16, rotation=2)
+    reqs = {n: request(n, 4, 12) for n in "ABCDE"}
+    s.add_request(reqs["A"])
+    assert step(s) == ([("A", 4, 0)], [])
+    s.add_request(reqs["B"])
+    assert step(s) == ([("A", 1, 4), ("B", 4, 0)], [])
+    for n in "CDE":
+        s.add_request(reqs[n])
+    run(s, [
+        ([("A", 1, 5), ("B", 1, 4), ("C", 4, 0)], []),
+        ([("A", 1, 6), ("B", 1, 5), ("C", 1, 4)], []),
+        ([("B", 1, 6), ("C", 1, 5), ("D", 4, 0)], ["A"]),
+        ([("B", 1, 7), ("C", 1, 6), ("D", 1, 4)], []),
+        ([("C", 1, 7), ("D", 1, 5), ("E", 4, 0)], ["B"]),
+    ])
+    assert [r.request_id for r in s.waiting] == ["A", "B"] and s.num_rotations == 2
+
+
+def test_no_rotation_candidate_still_lets_the_head_in_when_blocks_free_up():
+    """D was preempted before with 5 outputs; nobody running is more than one
+    interval (1) ahead of it, so nobody is rotated, but the queue is still
+    served: when A finishes (step 3), D takes its block at step 4 and
+    recomputes its 4 + 5 tokens."""
+    s = scheduler(4, block_size=16, rotation=1)
+    a, b, c = request("A", 4, 3), request("B", 4, 12), request("C", 4, 12)
+    d = request("D", 4, 12)
+    d.output_token_ids.extend([SAMPLED] * 5)
+    for r in (a, b, c, d):
+        s.add_request(r)
+    run(s, [
+        ([("A", 4, 0), ("B", 4, 0), ("C", 4, 0)], []),
+        ([("A", 1, 4), ("B", 1, 4), ("C", 1, 4)], []),
+        ([("A", 1, 5), ("B", 1, 5), ("C", 1, 5)], []),  # A finishes
+        ([("B", 1, 6), ("C", 1, 6), ("D", 9, 0)], []),
+    ])
+    assert s.num_rotations == 0
 
 
 def test_no_rotation_while_the_queue_is_as_long_as_the_batch():
@@ -424,6 +523,7 @@ def test_swap_out_and_load_ahead_resume():
     out = s.schedule()
     assert [(i.request.request_id, i.num_new_tokens, i.start_pos) for i in out.scheduled] == [("B", 1, 10)]
     assert s.num_load_ahead == 1 and s.running == [b, c] and c.num_computed_tokens == 8
+    assert s.kv_cache.num_free_blocks == 1  # 3 free, 2 taken by the loads; C's third block comes next step
     assert not out.kv_copies.copies
     assert [x.to_host for x in out.kv_prefetch.copies] == [False, False]
     assert s.kv_cache.num_swap_ins == 1
@@ -431,6 +531,17 @@ def test_swap_out_and_load_ahead_resume():
     b.output_token_ids.append(SAMPLED)
     assert step(s)[0] == [("B", 1, 11), ("C", 1, 8)]
     assert b.is_finished and s.kv_cache.num_free_blocks == 6 - 3  # C holds 3
+
+
+def test_default_costs_swap_a_small_victim():
+    """Default rates (25 GB/s, 10k tokens/s): 2 blocks of 1000 bytes out and
+    back take 0.16 us, recomputing 8 tokens 0.8 ms: C is swapped."""
+    s = scheduler(7, host=HostTier(8, block_bytes=1000))
+    for r in (request("A", 8, 3), request("B", 8, 5), request("C", 8, 5)):
+        s.add_request(r)
+    step(s)
+    assert step(s) == ([("A", 1, 8), ("B", 1, 8)], ["C"])
+    assert s.num_swap_preemptions == 1 and s.kv_cache.num_swap_outs == 1
 
 
 @pytest.mark.parametrize("costs, host_slots", [
@@ -459,6 +570,34 @@ def test_swap_in_when_nothing_else_runs_loads_before_the_forward():
     assert s.num_load_ahead == 0
 
 
+def test_load_ahead_needs_room_for_the_hit_and_the_next_tokens():
+    """Prefix caching with a host tier, 4 usable blocks. X (8 tokens) finishes
+    at step 1 and is written back; Z's two blocks evict X's from the GPU at
+    step 2. At step 3, Y (X's 8 tokens + 1) has a host hit of 2 blocks while R
+    runs: loaded ahead it would need 2 loads + 1 new block, and only 2 are
+    free, so it waits (it is not admitted with the hit alone). When R
+    finishes, Y is admitted alone: its loads go before this forward and it
+    computes 1 token from position 8."""
+    host = HostTier(8, block_bytes=100)
+    s = scheduler(5, caching=True, host=host)
+    x, r, z = request("X", 8, 1), request("R", 4, 5), request("Z", 8, 1)
+    y = Request("Y", x.prompt_token_ids + [5], SamplingParams(max_tokens=5, ignore_eos=True))
+    s.add_request(x)
+    s.add_request(r)
+    assert step(s) == ([("X", 8, 0), ("R", 4, 0)], [])
+    s.add_request(z)
+    assert step(s) == ([("R", 1, 4), ("Z", 8, 0)], [])
+    assert s.kv_cache.num_free_blocks == 2
+    s.add_request(y)
+    run(s, [([("R", 1, 5)], []), ([("R", 1, 6)], []), ([("R", 1, 7)], [])])  # R finishes
+    assert s.num_load_ahead == 0 and list(s.waiting) == [y]
+    out = s.schedule()
+    assert [(i.request.request_id, i.num_new_tokens, i.start_pos) for i in out.scheduled] == [("Y", 1, 8)]
+    assert len([c for c in out.kv_copies.copies if not c.to_host]) == 2 and not out.kv_prefetch
+    assert s.kv_cache.host_hit_tokens == 8 and s.kv_cache.prefix_cache_hits == 8
+    assert s.kv_cache.prefix_cache_queries == 8 + 4 + 8 + 9
+
+
 def test_swap_out_cost_leaves_out_the_cached_prefix():
     """10 computed tokens in 4-token blocks: 3 blocks, 2 of them full of known
     tokens and cached. Without caching all 3 are copied and 10 tokens
@@ -475,3 +614,41 @@ def test_swap_out_cost_leaves_out_the_cached_prefix():
     assert no_host.allocate_slots(r, 10)
     r.num_computed_tokens = 10
     assert no_host.swap_out_cost(r) == (0, 10) and not no_host.can_swap_out(r)
+
+
+# -- shared-prefix admission ("prefix" policy) -----------------------------------------------
+
+FILE_X, FILE_Y = list(range(10, 22)), list(range(50, 62))  # three 4-token blocks each
+
+
+def on_file(name: str, file: list[int], tail: list[int]) -> Request:
+    return Request(name, file + tail, SamplingParams(max_tokens=8, ignore_eos=True))
+
+
+def test_each_request_sharing_a_prefilled_prefix_overtakes_the_head():
+    """A holds file X, prefilled. Y (another file) heads the queue; x2 and x3
+    share X's first block: both go first in the same step, each hitting X's
+    12 tokens, and Y is admitted after them, overtaken twice."""
+    s = scheduler(64, caching=True, policy="prefix", max_num_seqs=4)
+    s.add_request(on_file("a", FILE_X, [1, 2, 3]))
+    assert step(s) == ([("a", 15, 0)], [])
+    y = on_file("y", FILE_Y, [4, 5])
+    for r in (y, on_file("x2", FILE_X, [6, 7]), on_file("x3", FILE_X, [8, 9])):
+        s.add_request(r)
+    assert step(s) == ([("a", 1, 15), ("x2", 2, 12), ("x3", 2, 12), ("y", 14, 0)], [])
+    assert y.num_overtaken == 2 and s.num_prefix_overtakes == 2
+
+
+def test_an_overtaker_that_does_not_fit_keeps_its_place_at_the_front():
+    """6 usable blocks, A holds 4 (file X + 3 tokens). x2 shares X and goes
+    ahead of Y, but its 6 new tokens need 2 new blocks plus the one kept free
+    per running request, 3 > 2: it waits, now at the head, ahead of Y."""
+    s = scheduler(7, caching=True, policy="prefix", max_num_seqs=4)
+    s.add_request(on_file("a", FILE_X, [1, 2, 3]))
+    assert step(s) == ([("a", 15, 0)], [])
+    y, x2 = on_file("y", FILE_Y, [4, 5]), on_file("x2", FILE_X, [6, 7, 8, 9, 10, 11])
+    s.add_request(y)
+    s.add_request(x2)
+    assert step(s) == ([("a", 1, 15)], [])
+    assert list(s.waiting) == [x2, y] and y.num_overtaken == 1
+
