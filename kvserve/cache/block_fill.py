@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.cache.block_pool import NULL_BLOCK_ID
+from kvserve.cache.block_table_rows import BlockTableRows
 
 if TYPE_CHECKING:
     from kvserve.cache.managers import SingleTypeManager
@@ -93,6 +94,7 @@ class HeldTables:
         self.block_size = block_size
         self.fill = BlockFill(block_size)
         self._ids: dict[str, list[list[int]]] = {}
+        self.rows = BlockTableRows(len(managers))  # the same ids as numpy rows, for the runner
 
     def block_ids(self, request_id: str) -> list[list[int]] | None:
         """The live per-group id lists (the caller copies them), or None."""
@@ -125,24 +127,28 @@ class HeldTables:
 
     def drop_skipped(self, request_id: str, first_query_pos: int, end: int) -> None:
         """The entries each group is about to drop (`skippable_blocks`) become NULL."""
-        for manager, table in zip(self.managers, self._ids[request_id]):
+        for group, (manager, table) in enumerate(zip(self.managers, self._ids[request_id])):
             for index in manager.skippable_blocks(request_id, first_query_pos):
                 self.fill.remove(table[index], self.fill.fill(index, end))
                 table[index] = NULL_BLOCK_ID
+                self.rows.set_null(request_id, group, index)
 
     def add_new(self, request_id: str, end: int) -> None:
         """Mirror and count the entries the groups appended since the last call
         (a new request's whole tables)."""
         ids = self._ids.setdefault(request_id, [[] for _ in self.managers])
-        for manager, table in zip(self.managers, ids):
-            blocks = manager.blocks(request_id)
-            for index in range(len(table), len(blocks)):
+        for group, (manager, table) in enumerate(zip(self.managers, ids)):
+            blocks, start = manager.blocks(request_id), len(table)
+            for index in range(start, len(blocks)):
                 block_id = blocks[index].block_id
                 table.append(block_id)
                 if block_id != NULL_BLOCK_ID:
                     self.fill.add(block_id, self.fill.fill(index, end))
+            if len(table) > start:
+                self.rows.append(request_id, group, start, table[start:])
 
     def forget(self, request_id: str, end: int) -> None:
+        self.rows.release(request_id)
         for table in self._ids.pop(request_id, ()):
             for index, block_id in enumerate(table):
                 if block_id != NULL_BLOCK_ID:
@@ -157,9 +163,10 @@ class HeldTables:
             for request_id in request_ids:
                 blocks = manager.blocks(request_id)
                 table = self._ids.get(request_id, [[]] * len(self.managers))[group_id]
-                if table != [b.block_id for b in blocks]:
-                    raise RuntimeError(f"block-id mirror of {request_id!r} in group {group_id} "
-                                       f"is {table}, the table holds {blocks}")
+                if table != [b.block_id for b in blocks] or self.rows.table(request_id, group_id) != table:
+                    raise RuntimeError(f"block-id mirror of {request_id!r} in group {group_id} is {table} "
+                                       f"(numpy row {self.rows.table(request_id, group_id)}), "
+                                       f"the table holds {blocks}")
                 for index, block in enumerate(blocks):
                     if not block.is_null:
                         slots = self.fill.fill(index, ends.get(request_id, 0))

@@ -51,6 +51,8 @@ from kvserve.cache.host_tier import CopyBatch, HostBlockRef, HostTier
 from kvserve.cache.managers import HitBlock, SingleTypeManager, make_manager
 
 if TYPE_CHECKING:
+    import torch
+
     from kvserve.request import Request
 
 
@@ -500,6 +502,12 @@ class KVCacheManager:
         if ids is None:
             return [[] for _ in self.managers]
         return [table.copy() for table in ids]
+
+    def block_tables(self, request_ids: list[str]) -> list[torch.Tensor]:
+        """Per group, the requests' block tables as one [len(request_ids), W]
+        int32 tensor padded with the null block: the step's batch tables,
+        gathered from rows kept up to date where tables change."""
+        return self._held.rows.gather(request_ids)
 
     def num_blocks_needed(self, num_tokens: int, chunk_tokens: int = 1) -> int:
         """Peak blocks one request holds across groups to reach `num_tokens`,

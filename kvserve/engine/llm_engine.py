@@ -132,9 +132,9 @@ class LLMEngine:
             self._start_write_backs()
             return touched
         start = time.monotonic()
-        block_ids = [self.kv_cache.get_block_ids(s.request.request_id) for s in out.scheduled]
+        tables = self.kv_cache.block_tables([s.request.request_id for s in out.scheduled])
         try:
-            launched = self.runner.launch(out, block_ids, self._in_flight, self.prompt_logprobs)
+            launched = self.runner.launch(out, tables, self._in_flight, self.prompt_logprobs)
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step
             return self._on_step_error(e, [s.request for s in out.scheduled])
         self._num_failed_steps = 0

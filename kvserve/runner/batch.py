@@ -40,9 +40,9 @@ class HostBatch:
     seq_lens_list: list[int]
 
 
-def build_host_batch(scheduled: list[ScheduledRequest], block_ids: list[list[list[int]]],
-                     num_groups: int) -> HostBatch:
-    """block_ids[i][g] is request i's block table for KV group g."""
+def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor]) -> HostBatch:
+    """block_tables[g] is the [B, W] int32 table of KV group g, row i request i's
+    (padded with the null block; `KVCacheManager.block_tables`, `pad_tables`)."""
     query_lens = [s.num_new_tokens for s in scheduled]
     seq_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
     num_seqs = len(scheduled)
@@ -61,15 +61,14 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_ids: list[list[lis
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=len(tokens))
         positions = starts[seq_idx] + (torch.arange(len(tokens)) - query_start_loc[:-1].long()[seq_idx])
-    tables = [pad_tables([ids[g] for ids in block_ids]) for g in range(num_groups)]
     return HostBatch(torch.from_numpy(np.array(tokens, dtype=np.int64)), positions, query_start_loc,
-                     torch.from_numpy(np.array(seq_lens, dtype=np.int32)), tables, seq_idx, query_lens,
+                     torch.from_numpy(np.array(seq_lens, dtype=np.int32)), block_tables, seq_idx, query_lens,
                      seq_lens)
 
 
-def prepare_inputs(scheduled: list[ScheduledRequest], block_ids: list[list[list[int]]],
-                   block_size: int, num_groups: int, device: torch.device) -> ModelInputs:
-    return to_model_inputs(build_host_batch(scheduled, block_ids, num_groups), scheduled, block_size, device)
+def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
+                   block_size: int, device: torch.device) -> ModelInputs:
+    return to_model_inputs(build_host_batch(scheduled, block_tables), scheduled, block_size, device)
 
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
@@ -99,7 +98,8 @@ def slot_mapping(table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Te
 
 
 def pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
-    """Rows padded with the null block 0 to a common width. One numpy pass
+    """Rows padded with the null block 0 to a common width (tables built
+    outside the KV cache manager: the memory profile, tests). One numpy pass
     over the ids: `torch.tensor` of a Python list costs ~0.6 us per element,
     15 ms for 256 sequences of 1K tokens."""
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from kvserve.request import Request
+from kvserve.runner.batch import pad_tables
 from kvserve.runner.model_runner import KVLayout, ModelRunner
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput
@@ -38,7 +39,8 @@ def profile_peak_bytes(model: torch.nn.Module, layout: KVLayout, num_tokens: int
         blocks = list(range(next_block, next_block + -(-n // layout.block_size)))
         next_block += len(blocks)
         block_ids.append([blocks] * layout.num_groups)
-    runner.execute(SchedulerOutput(scheduled), block_ids)
+    runner.execute(SchedulerOutput(scheduled), [pad_tables([ids[g] for ids in block_ids])
+                                                for g in range(layout.num_groups)])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - kv_bytes
     del runner

@@ -107,7 +107,7 @@ class ModelRunner:
         self.graphs.capture(pool)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, block_ids: list[list[list[int]]],
+    def launch(self, out: SchedulerOutput, block_tables: list[torch.Tensor],
                previous: "InFlightStep | None" = None,
                prompt_logprobs: PromptLogprobs | None = None) -> "InFlightStep":
         """Queue one step's forward and sampling without waiting for the device.
@@ -121,8 +121,7 @@ class ModelRunner:
         if self.kv_transfer is not None:
             self.kv_transfer.wait_prefetched()  # the last step's load-ahead admissions run now
         self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
-        inputs = prepare_inputs(out.scheduled, block_ids, self.layout.block_size,
-                                self.layout.num_groups, self.device)
+        inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device)
         self._fill_pending(inputs, out, previous)
         hidden = self._forward(inputs)
         prompt = prompt_logprobs.launch(self.model, hidden, out.scheduled, inputs.host.query_start_loc) \
@@ -134,9 +133,9 @@ class ModelRunner:
         ids = [s.request.request_id for s in inputs.sampling_rows]
         return InFlightStep(inputs.sampling_rows, self.sampler.sample(logits, params, ids), prompt)
 
-    def execute(self, out: SchedulerOutput, block_ids: list[list[list[int]]]) -> StepResult:
+    def execute(self, out: SchedulerOutput, block_tables: list[torch.Tensor]) -> StepResult:
         """Launch and wait: one step, unpipelined."""
-        return self.launch(out, block_ids).resolve()
+        return self.launch(out, block_tables).resolve()
 
     def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
         flat = (inputs.host.input_ids == PENDING_TOKEN).nonzero().flatten()

@@ -1,0 +1,88 @@
+"""`BlockTableRows`: every live request's block table, per KV group, as one
+row of a numpy array, kept up to date where tables change.
+
+A step's batch tables are then one fancy index per group (a C copy of
+B x W int32) instead of flattening Python lists: at 256 requests of 8K
+tokens (512 blocks each) the lists cost milliseconds of host time per step,
+the rows tens of microseconds. Entries past a row's length are the null
+block 0, so a gathered batch is already padded.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.cache.block_pool import NULL_BLOCK_ID
+
+
+class BlockTableRows:
+    def __init__(self, num_groups: int, rows: int = 64, width: int = 16) -> None:
+        self._tables = [np.zeros((rows, width), dtype=np.int32) for _ in range(num_groups)]
+        self._lengths = [np.zeros(rows, dtype=np.int64) for _ in range(num_groups)]
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def row(self, request_id: str) -> int:
+        """The request's row, taken on first use."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow_rows()
+            row = self._row_of[request_id] = self._free_rows.pop()
+        return row
+
+    def append(self, request_id: str, group: int, start: int, block_ids: list[int]) -> None:
+        """Entries [start, start + len(block_ids)) of the group's table."""
+        row, end = self.row(request_id), start + len(block_ids)
+        if end > self._tables[group].shape[1]:
+            self._grow_width(group, end)
+        self._tables[group][row, start:end] = block_ids
+        self._lengths[group][row] = end
+
+    def set_null(self, request_id: str, group: int, index: int) -> None:
+        self._tables[group][self._row_of[request_id], index] = NULL_BLOCK_ID
+
+    def release(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is None:
+            return
+        for table, lengths in zip(self._tables, self._lengths):
+            table[row, :lengths[row]] = NULL_BLOCK_ID
+            lengths[row] = 0
+        self._free_rows.append(row)
+
+    def table(self, request_id: str, group: int) -> list[int]:
+        """One row as a list (its length's entries; [] for an unknown request).
+        Raises RuntimeError if the padding past its length is not the null block."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            return []
+        values = self._tables[group][row].tolist()
+        length = int(self._lengths[group][row])
+        if any(v != NULL_BLOCK_ID for v in values[length:]):
+            raise RuntimeError(f"row of {request_id!r} in group {group} has ids past its length {length}")
+        return values[:length]
+
+    def gather(self, request_ids: list[str]) -> list[torch.Tensor]:
+        """Per group, the requests' tables as one [len(request_ids), W] int32
+        tensor (a copy), W the longest of them (at least 1)."""
+        row_of = self._row_of
+        rows = np.fromiter((row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+        out = []
+        for table, lengths in zip(self._tables, self._lengths):
+            width = max(int(lengths[rows].max(initial=0)), 1)
+            out.append(torch.from_numpy(table[rows, :width]))
+        return out
+
+    def _grow_rows(self) -> None:
+        old = self._tables[0].shape[0]
+        self._tables = [np.concatenate([t, np.zeros_like(t)]) for t in self._tables]
+        self._lengths = [np.concatenate([n, np.zeros_like(n)]) for n in self._lengths]
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    def _grow_width(self, group: int, needed: int) -> None:
+        table = self._tables[group]
+        width = max(needed, 2 * table.shape[1])
+        grown = np.zeros((table.shape[0], width), dtype=np.int32)
+        grown[:, :table.shape[1]] = table
+        self._tables[group] = grown
