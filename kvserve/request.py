@@ -87,12 +87,6 @@ class Request:
     def on_admitted(self, num_hit_tokens: int) -> None:
         self.record_event("resumed" if self.num_preemptions else "scheduled", num_hit_tokens)
 
-    def on_computed(self, start_pos: int, num_new_tokens: int) -> None:
-        """A step computed [start_pos, start_pos + num_new_tokens): a prompt
-        chunk is an event, a decode step is not (too many to keep)."""
-        if start_pos < self.num_prompt_tokens:
-            self.record_event("prefill", num_new_tokens)
-
     def timeline(self) -> list[dict[str, float | str | int]]:
         """Arrival, the scheduler's events, first token and finish, in time order."""
         marks = [(self.arrival_time, "arrival", self.num_prompt_tokens), *self.events]

@@ -190,16 +190,17 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, scheduled = 0, out.scheduled
+        while i < len(self.running) and budget > 0:  # hot loop: Request's properties inlined
             request = self.running[i]
-            if not request.can_grow:  # its last token is in flight; it finishes when that lands
+            sampled = len(request.output_token_ids) + request.num_pending_tokens
+            if sampled >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(len(request.prompt_token_ids) + sampled - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # `request` itself was preempted; everything after it too.
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
             budget -= num_new
             i += 1
         return budget
@@ -345,8 +346,10 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed tokens for what the forward pass just wrote."""
         for item in out.scheduled:
-            item.request.num_computed_tokens = item.start_pos + item.num_new_tokens
-            item.request.on_computed(item.start_pos, item.num_new_tokens)
+            request, start = item.request, item.start_pos
+            request.num_computed_tokens = start + item.num_new_tokens
+            if start < len(request.prompt_token_ids):  # a prompt chunk is an event; decode steps are too many
+                request.record_event("prefill", item.num_new_tokens)
 
     def remove_finished(self, request: Request, status: RequestStatus) -> None:
         """Finish a request wherever it is: with pipelined steps, a stop can land

@@ -228,7 +228,7 @@ class LLMEngine:
             request.logprobs.append(result.sampled.logprobs[i])
         if request.first_token_time is None:
             request.first_token_time = now
-        self.stats.record_token(request, now)
+        self.stats.num_generation_tokens += 1
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params, token = request.sampling_params, request.output_token_ids[-1]
@@ -365,9 +365,6 @@ class EngineStats:
         if self.num_prompt_tokens < 1024 or self.prefill_time_s <= 0:
             return None
         return self.num_prompt_tokens / self.prefill_time_s
-
-    def record_token(self, request: Request, now: float) -> None:
-        self.num_generation_tokens += 1
 
     def record_finished(self, request: Request) -> None:
         self.num_finished += 1

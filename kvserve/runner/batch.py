@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.request import PENDING_TOKEN
 from kvserve.scheduler import ScheduledRequest
 
 
@@ -43,27 +44,38 @@ class HostBatch:
 def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor]) -> HostBatch:
     """block_tables[g] is the [B, W] int32 table of KV group g, row i request i's
     (padded with the null block; `KVCacheManager.block_tables`, `pad_tables`)."""
-    query_lens = [s.num_new_tokens for s in scheduled]
-    seq_lens = [s.start_pos + s.num_new_tokens for s in scheduled]
     num_seqs = len(scheduled)
-    starts = torch.from_numpy(np.fromiter((s.start_pos for s in scheduled), dtype=np.int64,
-                                          count=num_seqs))
-    if len(query_lens) == sum(query_lens):  # decode-only: one token per sequence
-        tokens = [s.request.token_ids_between(s.start_pos, s.start_pos + 1)[0] for s in scheduled]
+    query_lens = [s.num_new_tokens for s in scheduled]
+    starts_np = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=num_seqs)
+    q_lens_np = np.array(query_lens, dtype=np.int64)
+    seq_lens_np = starts_np + q_lens_np
+    starts = torch.from_numpy(starts_np)
+    if len(query_lens) == int(q_lens_np.sum()):  # decode-only: one token per sequence
+        tokens = np.fromiter((_token_at(s.request, s.start_pos) for s in scheduled), dtype=np.int64, count=num_seqs)
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
         seq_idx, positions = torch.arange(num_seqs), starts
     else:
-        tokens = []
-        for s in scheduled:
-            tokens.extend(s.request.token_ids_between(s.start_pos, s.start_pos + s.num_new_tokens))
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
+        tokens = np.array(list(itertools.chain.from_iterable(
+            s.request.token_ids_between(s.start_pos, s.start_pos + s.num_new_tokens) for s in scheduled)),
+            dtype=np.int64)
+        q_lens = torch.from_numpy(q_lens_np)
         query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=len(tokens))
         positions = starts[seq_idx] + (torch.arange(len(tokens)) - query_start_loc[:-1].long()[seq_idx])
-    return HostBatch(torch.from_numpy(np.array(tokens, dtype=np.int64)), positions, query_start_loc,
-                     torch.from_numpy(np.array(seq_lens, dtype=np.int32)), block_tables, seq_idx, query_lens,
-                     seq_lens)
+    return HostBatch(torch.from_numpy(tokens), positions, query_start_loc,
+                     torch.from_numpy(seq_lens_np.astype(np.int32)), block_tables, seq_idx, query_lens,
+                     seq_lens_np.tolist())
+
+
+def _token_at(request, pos: int) -> int:
+    """The id at `pos`: a prompt or output token, or PENDING_TOKEN while it is
+    still on the device (the decode row's one token, hot path)."""
+    prompt = request.prompt_token_ids
+    if pos < len(prompt):
+        return prompt[pos]
+    out = request.output_token_ids
+    return out[pos - len(prompt)] if pos - len(prompt) < len(out) else PENDING_TOKEN
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
@@ -80,6 +92,7 @@ def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_si
     slots = [slot_mapping(t, seq_idx, positions, block_size) for t in tables]
     rows = [i for i, s in enumerate(scheduled) if s.completes_sequence]
     last = host.query_start_loc[1:].long() - 1
+    logits_indices = last if len(rows) == len(scheduled) else last[rows]
     meta = AttentionMetadata(
         num_seqs=len(scheduled), num_tokens=len(host.input_ids), block_size=block_size,
         query_start_loc=to(host.query_start_loc), seq_lens=to(host.seq_lens),
@@ -87,7 +100,7 @@ def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_si
         max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens_list),
         query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens_list)
     return ModelInputs(input_ids=to(host.input_ids), positions=positions, meta=meta,
-                       logits_indices=to(last[rows]), sampling_rows=[scheduled[i] for i in rows],
+                       logits_indices=to(logits_indices), sampling_rows=[scheduled[i] for i in rows],
                        host=host)
 
 
