@@ -570,16 +570,17 @@ def test_swap_in_when_nothing_else_runs_loads_before_the_forward():
     assert s.num_load_ahead == 0
 
 
-def test_load_ahead_needs_room_for_the_hit_and_the_next_tokens():
-    """Prefix caching with a host tier, 4 usable blocks. X (8 tokens) finishes
-    at step 1 and is written back; Z's two blocks evict X's from the GPU at
-    step 2. At step 3, Y (X's 8 tokens + 1) has a host hit of 2 blocks while R
-    runs: loaded ahead it would need 2 loads + 1 new block, and only 2 are
-    free, so it waits (it is not admitted with the hit alone). When R
+@pytest.mark.parametrize("policy, num_blocks, host_blocks", [("fcfs", 5, 2), ("prefix", 6, 1)])
+def test_load_ahead_needs_room_for_the_hit_and_the_next_tokens(policy, num_blocks, host_blocks):
+    """Prefix caching with a host tier, LRU. X (8 tokens) finishes at step 1
+    and is written back; Z's two blocks evict X's tail (fcfs, 4 usable: and
+    its head) from the GPU at step 2. At step 3, Y (X's 8 tokens + 1) has a
+    hit on the host while R runs: loaded ahead it needs its hit's blocks plus
+    1 new block, 3, but (fcfs) only 2 are free, or ("prefix") 3 are, of which
+    one is kept for R: it waits, not admitted with its hit alone. When R
     finishes, Y is admitted alone: its loads go before this forward and it
     computes 1 token from position 8."""
-    host = HostTier(8, block_bytes=100)
-    s = scheduler(5, caching=True, host=host)
+    s = scheduler(num_blocks, caching=True, host=HostTier(8, block_bytes=100), policy=policy)
     x, r, z = request("X", 8, 1), request("R", 4, 5), request("Z", 8, 1)
     y = Request("Y", x.prompt_token_ids + [5], SamplingParams(max_tokens=5, ignore_eos=True))
     s.add_request(x)
@@ -587,14 +588,14 @@ def test_load_ahead_needs_room_for_the_hit_and_the_next_tokens():
     assert step(s) == ([("X", 8, 0), ("R", 4, 0)], [])
     s.add_request(z)
     assert step(s) == ([("R", 1, 4), ("Z", 8, 0)], [])
-    assert s.kv_cache.num_free_blocks == 2
+    assert s.kv_cache.num_free_blocks == num_blocks - 3
     s.add_request(y)
     run(s, [([("R", 1, 5)], []), ([("R", 1, 6)], []), ([("R", 1, 7)], [])])  # R finishes
     assert s.num_load_ahead == 0 and list(s.waiting) == [y]
     out = s.schedule()
     assert [(i.request.request_id, i.num_new_tokens, i.start_pos) for i in out.scheduled] == [("Y", 1, 8)]
-    assert len([c for c in out.kv_copies.copies if not c.to_host]) == 2 and not out.kv_prefetch
-    assert s.kv_cache.host_hit_tokens == 8 and s.kv_cache.prefix_cache_hits == 8
+    assert len([c for c in out.kv_copies.copies if not c.to_host]) == host_blocks and not out.kv_prefetch
+    assert s.kv_cache.host_hit_tokens == 4 * host_blocks and s.kv_cache.prefix_cache_hits == 8
     assert s.kv_cache.prefix_cache_queries == 8 + 4 + 8 + 9
 
 
@@ -651,4 +652,72 @@ def test_an_overtaker_that_does_not_fit_keeps_its_place_at_the_front():
     s.add_request(x2)
     assert step(s) == ([("a", 1, 15)], [])
     assert list(s.waiting) == [x2, y] and y.num_overtaken == 1
+
+
+def test_a_request_asking_for_prompt_logprobs_does_not_overtake():
+    """x3 shares file X but asks for prompt logprobs: a hit would skip rows it
+    needs, so it neither goes first nor takes the hit (14 tokens computed)."""
+    s = scheduler(64, caching=True, policy="prefix", max_num_seqs=4)
+    s.add_request(on_file("a", FILE_X, [1, 2, 3]))
+    step(s)
+    y = on_file("y", FILE_Y, [4, 5])
+    x3 = Request("x3", FILE_X + [8, 9], SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=1))
+    for r in (y, on_file("x2", FILE_X, [6, 7]), x3):
+        s.add_request(r)
+    assert step(s) == ([("a", 1, 15), ("x2", 2, 12), ("y", 14, 0), ("x3", 14, 0)], [])
+    assert y.num_overtaken == 1
+
+
+# -- prompt logprobs and prefix hits ----------------------------------------------------------
+
+def _cached_prompt(s: Scheduler, tokens: list[int]) -> None:
+    """Run a one-token request over `tokens`: its 3 full blocks stay cached."""
+    s.add_request(Request("cache", list(tokens), SamplingParams(max_tokens=1, ignore_eos=True)))
+    assert step(s) == ([("cache", len(tokens), 0)], [])
+
+
+def _asking(name: str, prompt: list[int], rows: int, outputs: int = 0) -> Request:
+    r = Request(name, list(prompt), SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=1))
+    r.output_token_ids.extend([5] * outputs)
+    r.prompt_logprobs.extend([None] * rows)  # rows it already has (a resumed request)
+    return r
+
+
+@pytest.mark.parametrize("rows, expected", [(0, ("P", 13, 0)), (11, ("P", 13, 0)), (12, ("P", 1, 12))])
+def test_prompt_logprobs_take_a_hit_only_over_rows_they_have(rows, expected):
+    """12 tokens cached; P's prompt is those 12 + 1. A 12-token hit skips
+    the logprob rows of prompt tokens 1..12: taken only with all 12 rows."""
+    s = scheduler(64, caching=True)
+    tokens = list(range(200, 212))
+    _cached_prompt(s, tokens)
+    s.add_request(_asking("P", tokens + [99], rows))
+    assert step(s) == ([expected], [])
+    hit = expected[2]
+    assert s.kv_cache.prefix_cache_queries == 12 + (13 if hit else 0)  # a skipped hit is no query
+    assert s.kv_cache.prefix_cache_hits == hit
+
+
+@pytest.mark.parametrize("rows, expected", [(6, ("P", 13, 0)), (7, ("P", 1, 12))])
+def test_a_hit_past_the_prompt_needs_every_prompt_row_only(rows, expected):
+    """P (8 prompt tokens, 5 outputs: resumed) matches 12 cached tokens; the
+    hit covers its whole prompt, whose 7 rows (tokens 1..7) are all it needs."""
+    s = scheduler(64, caching=True)
+    prompt = list(range(300, 308))
+    _cached_prompt(s, prompt + [5] * 5)
+    s.add_request(_asking("P", prompt, rows, outputs=5))
+    assert step(s) == ([expected], [])
+
+
+def test_a_swapped_request_asking_for_prompt_logprobs_resumes_from_its_swap():
+    """Its own swapped KV skips no row it lacks: resumed from position 8."""
+    s = scheduler(7, host=HostTier(8, block_bytes=1000), costs=PreemptionCosts("swap"))
+    a, b = request("A", 8, 5), request("B", 8, 5)
+    c = _asking("C", list(range(3000, 3008)), rows=0)
+    for r in (a, b, c):
+        s.add_request(r)
+    assert step(s) == ([("A", 8, 0), ("B", 8, 0), ("C", 8, 0)], [])
+    assert step(s) == ([("A", 1, 8), ("B", 1, 8)], ["C"])
+    s.abort_request("A")
+    s.abort_request("B")
+    assert step(s) == ([("C", 1, 8)], [])
 
