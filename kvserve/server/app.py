@@ -40,6 +40,7 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ("*",)
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     enable_vllm_metrics: bool = False
+    tool_call_parser: str = "hermes"   # how tool_choice="auto" reads calls (server/tools.py)
 
 
 def default_model_name(model: str | None) -> str:
@@ -56,7 +57,8 @@ def build_app(engine, served_model_name: str, max_waiting_requests: int | None =
     async_engine = AsyncEngine(engine, None, max_waiting_requests, engine_hook)
     metrics = ServerMetrics(async_engine.cache_info, served_model_name, options.enable_vllm_metrics)
     async_engine.metrics = metrics
-    handler = GenerationHandler(async_engine, served_model_name, dict(options.generation_defaults))
+    handler = GenerationHandler(async_engine, served_model_name, dict(options.generation_defaults),
+                                options.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

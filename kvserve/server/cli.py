@@ -8,6 +8,7 @@ from typing import Any
 
 def add_serve_parser(sub: Any) -> None:
     from kvserve.cli import add_engine_args
+    from kvserve.server.tools import TOOL_CALL_PARSERS
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="model to serve (same as --model; default: embedded SmolLM2-135M)")
@@ -27,6 +28,12 @@ def add_serve_parser(sub: Any) -> None:
                             "or a folder holding one")
     serve.add_argument("--enable-vllm-metrics", action="store_true",
                        help="also export /metrics under vLLM's names (vllm:*, model_name label)")
+    serve.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_CALL_PARSERS),
+                       help="the form tool_choice='auto' reads calls in: hermes (<tool_call> JSON: Hermes, "
+                            "Qwen) or llama3_json (Llama 3.1/3.2 JSON calls)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's switch for tool_choice='auto', taken so its command lines run: "
+                            "here auto is always on, read with --tool-call-parser")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -59,4 +66,4 @@ def _server_options(a: argparse.Namespace):
     defaults = generation_defaults(a.model, a.generation_config)
     return ServerOptions(api_key=a.api_key or None, allowed_origins=tuple(a.allowed_origins or ()),
                          generation_defaults=tuple(defaults.items()),
-                         enable_vllm_metrics=a.enable_vllm_metrics)
+                         enable_vllm_metrics=a.enable_vllm_metrics, tool_call_parser=a.tool_call_parser)

@@ -167,7 +167,7 @@ class _ChatFormat(_Format):
     def _tool_delta(self, delta: dict[str, Any], d: Delta, c: _Choice) -> tuple[dict[str, Any], str | None]:
         """Stream content up to a possible tool call; the calls go out whole at the end."""
         if not d.finished:
-            safe = tool_calls.safe_content_prefix(c.text) if self.mode.choice == "auto" else ""
+            safe = tool_calls.safe_content_prefix(c.text, self.mode) if self.mode.choice == "auto" else ""
             delta["content"], c.sent = safe[len(c.sent):], max(safe, c.sent, key=len)
             return delta, None
         content, calls = tool_calls.parse_tool_calls(c.text, self.mode)
@@ -197,9 +197,10 @@ class _ChatFormat(_Format):
 
 class GenerationHandler:
     def __init__(self, engine: AsyncEngine, model_name: str,
-                 generation_defaults: dict[str, Any] | None = None) -> None:
+                 generation_defaults: dict[str, Any] | None = None, tool_call_parser: str = "hermes") -> None:
         self.engine, self.model_name = engine, model_name
         self.defaults = dict(generation_defaults or {})
+        self.tool_call_parser = tool_calls.check_parser(tool_call_parser)   # the auto tool-call form
         # The HTTP side's own copy: a fast tokenizer must not be used by two threads at once.
         tokenizer = engine.engine.tokenizer
         self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
@@ -221,7 +222,7 @@ class GenerationHandler:
         self._check_model(body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         use_tools = tools if body.tool_choice != "none" else None
-        mode = _tool_mode(body) if use_tools else None
+        mode = _tool_mode(body, self.tool_call_parser) if use_tools else None
         prompt = self._render_chat(body, use_tools)
         params = body.sampling_kwargs(body.num_logprobs, self.defaults)
         params["structured"] = await self._structured(body, mode and (mode, use_tools))
@@ -391,10 +392,10 @@ def _check_failed(d: Delta) -> None:
         raise APIError(500, ENGINE_ERROR, type="internal_server_error", code="internal_error")
 
 
-def _tool_mode(body: ChatCompletionRequest) -> tool_calls.ToolMode:
+def _tool_mode(body: ChatCompletionRequest, parser: str) -> tool_calls.ToolMode:
     if isinstance(body.tool_choice, NamedToolChoice):
-        return tool_calls.ToolMode("named", body.tool_choice.function.name)
-    return tool_calls.ToolMode("required" if body.tool_choice == "required" else "auto")
+        return tool_calls.ToolMode("named", body.tool_choice.function.name, parser)
+    return tool_calls.ToolMode("required" if body.tool_choice == "required" else "auto", parser=parser)
 
 
 def _constraint(body, tools_mode) -> tuple[str, str, Any] | None:
