@@ -1,6 +1,7 @@
 """DeepSeek V4 on a GPU at real per-layer dims (`dummy:deepseek-v4-flash-l8`,
 bf16, torch attention): the paged engine path runs and matches the dense-state
-decoding of the same weights token for token."""
+decoding of the same weights token for token. (The Triton kernel path, the
+default on CUDA, is checked in test_deepseek_v4_kernels.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from kvserve.sampling_params import SamplingParams
 @pytest.mark.gpu
 def test_flash_l8_engine_runs_on_gpu():
     llm = LLM("dummy:deepseek-v4-flash-l8", device="cuda", dtype="bfloat16", max_model_len=2048,
-              kv_cache_memory_gb=4, block_size=16, max_num_batched_tokens=512)
+              kv_cache_memory_gb=4, block_size=16, max_num_batched_tokens=512, attention_backend="torch")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 129000, (n,), generator=g).tolist() for n in (37, 700)]
     for prompt in prompts:  # one at a time: the engine's chunks are then the dense run's chunks

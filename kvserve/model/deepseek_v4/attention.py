@@ -2,8 +2,11 @@
 window, per-head sinks, and (per layer type) a compressor of the past:
 CSA (overlapping windows + Lightning Indexer top-k) or HCA (all entries).
 
-The layer computes one sequence's new tokens against a `SequenceKV` past
-(state.py); the math lives in `kvserve.attention.v4_torch_ref`.
+Two paths compute the same thing. `forward`: one sequence's new tokens
+against a `SequenceKV` past (state.py), the math in
+`kvserve.attention.v4_torch_ref` (any device; the reference). `forward_paged`:
+every token of a batch at once on the paged storage with the Triton kernels
+(`kernels/`), which write the step's rows and entries in place.
 """
 from __future__ import annotations
 
@@ -55,11 +58,16 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(config.hidden_size, self.dim, rate, True, config.rms_norm_eps)
 
-    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               visible: torch.Tensor, rope: V4Rope) -> torch.Tensor:
+    def query(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+              rope: V4Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries [n, heads, dim] (roped) and float32 head weights [n, heads]."""
         q = self.wq_b(q_residual).view(len(x), self.n_heads, self.dim)
         q = apply_rope(q, *rope.cos_sin("compress", positions, q.dtype))
-        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q, self.weights_proj(x).float() * self.n_heads ** -0.5
+
+    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor, rope: V4Rope) -> torch.Tensor:
+        q, weights = self.query(x, q_residual, positions, rope)
         return ref.top_k_mask(ref.index_scores(q, keys, weights), visible, self.topk)
 
 
@@ -95,10 +103,7 @@ class V4Attention(nn.Module):
         """x [n, hidden] of one sequence's new tokens at consecutive positions."""
         p0, p_end = int(positions[0]), int(positions[-1]) + 1
         cos, sin = rope.cos_sin(self.rope_kind, positions, x.dtype)
-        q_residual = self.q_norm(self.wq_a(x))
-        q = unweighted_rms_norm(self.wq_b(q_residual).view(len(x), self.n_heads, self.dim), self.eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
+        q_residual, q, kv = self._project(x, cos, sin)
         comps = self.compressors()
         past = kv_store.past(self.layer_idx, tuple(comps), kv,
                              {n: (c.width, c.dim) for n, c in comps.items()})
@@ -108,8 +113,52 @@ class V4Attention(nn.Module):
         keys, mask = self._keys_and_mask(x, q_residual, positions, past, kv, new_entries, rope)
         out = ref.sink_attention(q, keys, mask, self.attn_sink, self.dim ** -0.5)
         kv_store.append(self.layer_idx, kv, raw_new, new_entries)
+        return self._output(out, cos, sin)
+
+    def forward_paged(self, x: torch.Tensor, positions: torch.Tensor, batch, rope: V4Rope) -> torch.Tensor:
+        """x [T, hidden]: every token of the batch (`V4PagedBatch`), through the
+        Triton kernels. The step's sliding keys, compressor state and entries
+        are written to the pages before the attention reads them."""
+        from kvserve.model.deepseek_v4 import kernels
+        cos, sin = rope.cos_sin(self.rope_kind, positions, x.dtype)
+        q_residual, q, kv = self._project(x, cos, sin)
+        sliding = batch.page("sliding", self.layer_idx)
+        kernels.write_rows(kv, sliding, batch)
+        entries = self._compress_paged(x, batch, rope) if self.compressor is not None else None
+        indices = None
+        if self.indexer is not None:
+            q_index, weights = self.indexer.query(x, q_residual, positions, rope)
+            indices = kernels.index_top_k(q_index, weights, entries, self.dim, batch, self.rate, self.indexer.topk)
+        out = kernels.sparse_attention(q, sliding, entries, indices, self.attn_sink, self.dim ** -0.5, self.window,
+                                       self.rate, batch, torch.empty_like(q))
+        return self._output(out, cos, sin)
+
+    def _compress_paged(self, x: torch.Tensor, batch, rope: V4Rope):
+        """Store the step's raw compressor rows, then pool the windows it closes
+        into entry pages (compressor entry, then indexer key: the torch path's
+        row layout). Returns the entry pages."""
+        from kvserve.model.deepseek_v4 import kernels
+        kind = "csa" if self.layer_type == CSA else "hca"
+        state, entries = batch.page(f"{kind}_state", self.layer_idx), batch.page(f"{kind}_entries", self.layer_idx)
+        comps = list(self.compressors().values())
+        kernels.write_rows(torch.cat([t for c in comps for t in (c.wkv(x), c.wgate(x))], dim=-1), state, batch)
+        cos, sin = _window_rope(batch, rope, self.rate, x.dtype)
+        kv_col, out_col = 0, 0
+        for c in comps:
+            kernels.compress(state, entries, batch, (kv_col, kv_col + c.width, out_col), c.rate, c.overlap, c.ape,
+                             c.norm.weight, c.norm.eps, cos, sin)
+            kv_col, out_col = kv_col + 2 * c.width, out_col + c.dim
+        return entries
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q LoRA residual, roped queries [n, heads, dim], roped K=V [n, dim])."""
+        q_residual = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(len(x), self.n_heads, self.dim), self.eps)
+        return q_residual, apply_rope(q, cos, sin), apply_rope(self.norm(self.wkv(x)), cos, sin)
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         out = apply_rope(out, cos, -sin)  # undo the rotation V picked up (K = V)
-        grouped = out.reshape(len(x), self.o_groups, -1)
+        grouped = out.reshape(len(out), self.o_groups, -1)
         weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
         return self.wo_b(torch.einsum("ngi,goi->ngo", grouped, weight).flatten(1))
 
@@ -125,6 +174,15 @@ class V4Attention(nn.Module):
             index_keys = torch.cat([past.entries["indexer"], new_entries["indexer"]])
             visible = self.indexer.select(x, q_residual, positions, index_keys, visible, rope)
         return torch.cat([keys, entries]), torch.cat([mask, visible], dim=1)
+
+
+def _window_rope(batch, rope: V4Rope, rate: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress-rope cos/sin at the start of the window each token closes
+    (whether or not it closes one), shared by a step's layers of one rate."""
+    key = ("window_rope", rate, dtype)
+    if key not in batch.scratch:
+        batch.scratch[key] = rope.cos_sin("compress", ((batch.positions + 1) // rate - 1) * rate, dtype)
+    return batch.scratch[key]
 
 
 def _joined(past: tuple[torch.Tensor, torch.Tensor, int],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from kvserve.config import EngineArgs
 from kvserve.model.deepseek_v4.config import CSA, HCA, DeepseekV4Config, is_deepseek_v4
 from kvserve.model.deepseek_v4.loader import DUMMY_CONFIGS, DUMMY_PREFIX, dummy_config, load_deepseek_v4
 from kvserve.model.deepseek_v4.paged import PagedSequenceKV
-from kvserve.runner.batch import ModelInputs
+from kvserve.runner.batch import ModelInputs, upload
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.runner.sampler import Sampler
 from kvserve.scheduler import PreemptionCosts, Scheduler
@@ -46,10 +47,14 @@ class V4Layout:
 
 
 class V4Runner(ModelRunner):
-    """ModelRunner with V4 pages: one storage tensor [num_blocks, unit]."""
+    """ModelRunner with V4 pages: one storage tensor [num_blocks, unit].
+    Attention: the Triton kernels on the whole batch ("triton") or the torch
+    path per sequence through `PagedSequenceKV` ("torch")."""
 
-    def __init__(self, model, layout: V4Layout, device: torch.device, seed: int) -> None:
+    def __init__(self, model, layout: V4Layout, device: torch.device, seed: int,
+                 attention_backend: str = "torch") -> None:
         self.model, self.layout, self.device = model, layout, device
+        self.attention_backend = attention_backend
         self.sampler = Sampler(seed, device)
         self.kv_storage = torch.zeros(layout.num_blocks, layout.kv.unit, dtype=layout.dtype, device=device)
         self.graphs, self.kv_transfer, self.num_eager_forwards = None, None, 0
@@ -62,6 +67,12 @@ class V4Runner(ModelRunner):
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         self.num_eager_forwards += 1
         meta, host = inputs.meta, inputs.host
+        if self.attention_backend == "triton":
+            from kvserve.model.deepseek_v4.kernels import V4PagedBatch
+            batch = V4PagedBatch(self.kv_storage, self.layout.kv, meta.block_tables,
+                                 upload(host.seq_idx.to(torch.int32), self.device), inputs.positions,
+                                 meta.max_seq_len)
+            return self.model.forward_tokens(inputs.input_ids, inputs.positions, meta.query_lens_cpu, [], batch)
         starts = [s - q for s, q in zip(meta.seq_lens_cpu, meta.query_lens_cpu)]
         stores = [PagedSequenceKV(self.kv_storage, self.layout.kv, [t[i] for t in meta.block_tables], start,
                                   self.rates) for i, start in enumerate(starts)]
@@ -86,11 +97,29 @@ def build_v4_engine_parts(args: EngineArgs):
     kv_cache = KVCacheManager(kv_layout.kv_groups(), num_blocks, cache.block_size, cache.enable_prefix_caching,
                               eviction_policy=cache.eviction_policy)
     _check_one_request_fits(kv_cache, sched)
-    runner = V4Runner(model, layout, device, args.seed)
+    runner = V4Runner(model, layout, device, args.seed, _attention_backend(args.attention_backend, device, config))
     log_layout(kv_layout, num_blocks, layout.bytes_per_block)
     costs = PreemptionCosts(cache.preemption_mode, cache.kv_copy_bandwidth_gbps * 1e9)
     return EngineParts(config, None, sched, kv_cache, Scheduler(sched, kv_cache, costs), runner,
                        frozenset(config.eos_token_ids))
+
+
+def _attention_backend(requested: str | None, device: torch.device, config: DeepseekV4Config) -> str:
+    """"triton" (the default on CUDA) or "torch" (the default elsewhere)."""
+    if requested not in (None, "torch", "triton"):
+        raise ValueError(f"DeepSeek V4 attention_backend must be 'torch' or 'triton', got {requested!r}")
+    if requested == "torch" or (requested is None and device.type != "cuda"):
+        return "torch"
+    from kvserve.model.deepseek_v4.kernels import unsupported_reason
+    reason = unsupported_reason(config)
+    if reason is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        reason = f"they need a CUDA device (or TRITON_INTERPRET=1), got device {device}"
+    if reason is None:
+        return "triton"
+    if requested == "triton":
+        raise ValueError(f"the Triton DeepSeek V4 kernels cannot run this model: {reason}")
+    logger.warning("DeepSeek V4 attention falls back to torch: the Triton kernels cannot run it (%s)", reason)
+    return "torch"
 
 
 def _config(model: str, overrides: dict[str, Any] | None) -> DeepseekV4Config:

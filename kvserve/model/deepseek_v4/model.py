@@ -38,12 +38,15 @@ class V4Block(nn.Module):
             self.register_parameter(f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                query_lens: Sequence[int], stores: Sequence, rope: V4Rope) -> torch.Tensor:
+                query_lens: Sequence[int], stores: Sequence, rope: V4Rope, batch=None) -> torch.Tensor:
         post, comb, x = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.config)
         x = self.attn_norm(x)
-        outs = [self.attn(xs, ps, store, rope) for xs, ps, store in
-                zip(x.split(list(query_lens)), positions.split(list(query_lens)), stores)]
-        streams = hc_merge(streams, torch.cat(outs), post, comb)
+        if batch is not None:  # paged storage, Triton kernels: the whole batch at once
+            attn = self.attn.forward_paged(x, positions, batch, rope)
+        else:
+            attn = torch.cat([self.attn(xs, ps, store, rope) for xs, ps, store in
+                              zip(x.split(list(query_lens)), positions.split(list(query_lens)), stores)])
+        streams = hc_merge(streams, attn, post, comb)
         post, comb, x = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.config)
         return hc_merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
 
@@ -63,13 +66,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.rope = V4Rope(config)
 
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: Sequence[int],
-                       stores: Sequence) -> torch.Tensor:
+                       stores: Sequence, batch=None) -> torch.Tensor:
         """Final hidden states [T, hidden]; each sequence's tokens are consecutive
-        positions continuing its store's past."""
+        positions continuing its store's past. With `batch` (a `V4PagedBatch`)
+        attention runs on the paged storage through the Triton kernels and
+        `stores` is unused."""
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
-            streams = layer(streams, input_ids, positions, query_lens, stores, self.rope)
+            streams = layer(streams, input_ids, positions, query_lens, stores, self.rope, batch)
         c = self.config
         return self.norm(hyper_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
                                     c.hc_eps, c.rms_norm_eps))

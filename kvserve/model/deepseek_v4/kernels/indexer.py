@@ -1,0 +1,187 @@
+"""Lightning Indexer kernels: each query's scores over its visible indexer
+keys, then its top-k entries, deterministic on ties.
+
+Scores: sum over indexer heads h of w_h * ReLU(q_h . k) / sqrt(d), for the
+entries whose windows end at or before the query (the first (p + 1) // rate).
+One program scores one token's chunk of entries, all indexer heads as the
+rows of one tl.dot, so each key is read once per token.
+
+Top-k: an exact radix select per token over the order-preserving uint32 keys
+of the float scores (8 bits per pass, four passes) finds the k-th largest
+score T; the chosen entries are those above T plus the earliest ones equal to
+T, as the stable sort of `v4_torch_ref.top_k_mask` chooses. Indices are
+written in ascending entry order, -1 after them; every row is fully written.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.attention.kernels.common import dot_precision
+from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry_rows, sm_count
+
+SCORE_BLOCK_E = 64       # keys per score tile
+SCORE_WAVES = 4          # score programs: about this many waves over the SMs
+TOPK_MAX_TILE = 16384    # scores per top-k tile (a row up to this long is one tile)
+
+
+@triton.jit(do_not_specialize=["stride_table"])
+def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_ptr, unit, key_offset,
+                         key_width, table_ptr, stride_table, scores_ptr, stride_st, seq_idx_ptr, pos_ptr,
+                         num_heads, chunk, scale, RATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    t = tl.program_id(0)
+    seq = tl.load(seq_idx_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int32)
+    num_entries = tl.where(seq >= 0, (pos + 1) // RATE, 0)
+    start = tl.program_id(1) * chunk
+    end = tl.minimum(num_entries, start + chunk)
+    if start >= end:
+        return
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    head_mask = heads < num_heads
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None], other=0.0).to(storage_ptr.dtype.element_ty)
+    weights = tl.load(w_ptr + t.to(tl.int64) * stride_wt + heads, mask=head_mask, other=0.0)
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    score_row = scores_ptr + t.to(tl.int64) * stride_st
+    for e0 in range(start, end, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        valid = e < end
+        rows = entry_rows(table_row, e, valid, unit, key_offset, key_width, RATE, PAGE_SIZE)
+        k = tl.load(storage_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale
+        tl.store(score_row + e, tl.sum(s * weights[:, None], 0), mask=valid)
+
+
+@triton.jit
+def _sortable(scores):
+    """uint32 keys ordered as the float scores (-0.0 and 0.0 are one key: they tie in torch)."""
+    scores = tl.where(scores == 0.0, 0.0, scores)
+    bits = scores.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _pick_digit(hist, want):
+    """The 8-bit digit holding the want-th largest key, and how many keys of
+    the current prefix lie above that digit."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    digit = tl.max(tl.where(at_or_above >= want, bins, -1), 0)
+    above = tl.sum(tl.where(bins > digit, hist, 0), 0)
+    return digit, above
+
+
+@triton.jit
+def _radix_threshold(score_row, num_entries, k, BLOCK: tl.constexpr):
+    """(T, n): the k-th largest key T of the row, and how many keys equal to
+    T belong to the top k."""
+    prefix = tl.zeros([], tl.uint32)
+    high = tl.zeros([], tl.uint32)  # bits of the key fixed so far
+    want = k
+    for shift in tl.static_range(24, -8, -8):
+        hist = tl.zeros([256], tl.int32)
+        for e0 in range(0, num_entries, BLOCK):
+            e = e0 + tl.arange(0, BLOCK)
+            valid = e < num_entries
+            key = _sortable(tl.load(score_row + e, mask=valid, other=0.0))
+            match = valid & ((key & high) == prefix)
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        digit, above = _pick_digit(hist, want)
+        want -= above
+        prefix |= digit.to(tl.uint32) << shift
+        high |= tl.full([], 255, tl.uint32) << shift
+    return prefix, want
+
+
+@triton.jit
+def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, RATE: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    seq = tl.load(seq_idx_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int32)
+    num_entries = tl.where(seq >= 0, (pos + 1) // RATE, 0)
+    out_row = out_ptr + t.to(tl.int64) * stride_ot
+    if num_entries <= k:  # every visible entry is chosen
+        for j0 in range(0, k, BLOCK_K):
+            j = j0 + tl.arange(0, BLOCK_K)
+            tl.store(out_row + j, tl.where(j < num_entries, j, -1).to(tl.int32), mask=j < k)
+        return
+    score_row = scores_ptr + t.to(tl.int64) * stride_st
+    threshold, num_equal = _radix_threshold(score_row, num_entries, k, BLOCK)
+    taken = tl.zeros([], tl.int32)
+    equal_before = tl.zeros([], tl.int32)
+    for e0 in range(0, num_entries, BLOCK):
+        e = e0 + tl.arange(0, BLOCK)
+        valid = e < num_entries
+        key = _sortable(tl.load(score_row + e, mask=valid, other=0.0))
+        equal = (valid & (key == threshold)).to(tl.int32)
+        equal_rank = equal_before + tl.cumsum(equal, 0) - 1
+        chosen = (valid & (key > threshold)) | ((equal == 1) & (equal_rank < num_equal))
+        slot = taken + tl.cumsum(chosen.to(tl.int32), 0) - 1
+        tl.store(out_row + slot, e.to(tl.int32), mask=chosen)
+        taken += tl.sum(chosen.to(tl.int32), 0)
+        equal_before += tl.sum(equal, 0)
+
+
+def _score_chunk(num_tokens: int, max_entries: int, device: torch.device) -> int:
+    """Entries per score program: enough programs for SCORE_WAVES waves."""
+    wanted = max(1, SCORE_WAVES * sm_count(device) // max(num_tokens, 1))
+    tiles = triton.cdiv(triton.cdiv(max_entries, wanted), SCORE_BLOCK_E)
+    return max(1, tiles) * SCORE_BLOCK_E
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
+                 rate: int, scores: torch.Tensor) -> torch.Tensor:
+    """scores[t, e] for e < (p_t + 1) // rate (the rest of each row is not written).
+
+    q [T, H, d] (rope applied), weights [T, H] float32 (the head weights with
+    the 1/sqrt(H) factor), keys: the entry pages, whose indexer keys start at
+    column `key_col`; scores [T, >= max_seq_len // rate] float32."""
+    num_tokens, num_heads, head_dim = q.shape
+    max_entries = batch.max_seq_len // rate
+    if scores.shape[0] < num_tokens or scores.shape[1] < max_entries:
+        raise ValueError(f"index score buffer {tuple(scores.shape)} is smaller than ({num_tokens}, {max_entries})")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"the Triton indexer needs a power-of-two index_head_dim >= 16, got {head_dim}")
+    if num_tokens == 0 or max_entries == 0:
+        return scores
+    chunk = _score_chunk(num_tokens, max_entries, q.device)
+    grid = (num_tokens, triton.cdiv(max_entries, chunk))
+    _index_scores_kernel[grid](
+        q, q.stride(0), q.stride(1), weights, weights.stride(0), batch.storage, batch.storage.stride(0),
+        keys.offset + key_col, keys.width, keys.table, keys.table.stride(0), scores, scores.stride(0),
+        batch.seq_idx, batch.positions, num_heads, chunk, head_dim ** -0.5, RATE=rate, PAGE_SIZE=batch.block_size,
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_E=SCORE_BLOCK_E,
+        DOT_PRECISION=dot_precision(batch.storage.dtype), num_warps=4, num_stages=3)
+    return scores
+
+
+def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """out[t, :k]: token t's k best visible entries in ascending order, then -1."""
+    if out.shape[0] < batch.num_tokens or out.shape[1] < k or out.dtype != torch.int32:
+        raise ValueError(f"top-k index buffer must be int32 with >= ({batch.num_tokens}, {k}) entries, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if batch.num_tokens == 0:
+        return out
+    max_entries = max(1, batch.max_seq_len // rate)
+    block = min(TOPK_MAX_TILE, max(1024, triton.next_power_of_2(max_entries)))
+    _top_k_kernel[(batch.num_tokens,)](
+        scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, RATE=rate, BLOCK=block,
+        BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=max(4, min(16, block // 1024)))
+    return out
+
+
+def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
+                rate: int, k: int) -> torch.Tensor:
+    """[T, k] int32: each token's top-k visible entries (ascending, -1 padded)."""
+    scores = torch.empty(batch.num_tokens, max(1, batch.max_seq_len // rate), dtype=torch.float32,
+                         device=q.device)
+    index_scores(q, weights, keys, key_col, batch, rate, scores)
+    out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q.device)
+    return top_k_indices(scores, batch, rate, k, out)
