@@ -38,13 +38,13 @@ def hf_model(llama_dir):
 
 
 def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab] float64: row i is log P(token i + 1 | tokens[:i + 1])."""
+    """[len(tokens), vocab] float64 on the CPU: row i is log P(token i + 1 | tokens[:i + 1])."""
     with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0]
-    return torch.log_softmax(logits.double(), dim=-1)
+        logits = model(torch.tensor([tokens], device=model.device)).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1).cpu()
 
 
-def assert_matches_hf(model, prompt: list[int], prompt_logprobs, n: int) -> None:
+def assert_matches_hf(model, prompt: list[int], prompt_logprobs, n: int, tol: float = TOL) -> None:
     """vLLM's shape (None, then token id -> Logprob), values, the top n and ranks."""
     ref = hf_logprobs(model, prompt)
     assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
@@ -53,7 +53,7 @@ def assert_matches_hf(model, prompt: list[int], prompt_logprobs, n: int) -> None
         top = row.topk(n).indices.tolist()
         assert set(entry) == set(top) | {token}, i
         for tid, lp in entry.items():
-            assert lp.logprob == pytest.approx(row[tid].item(), abs=TOL), (i, tid)
+            assert lp.logprob == pytest.approx(row[tid].item(), abs=tol), (i, tid)
         assert entry[token].rank == int((row > row[token]).sum()) + 1, i
         assert [entry[t].rank for t in top if t != token] == [k + 1 for k, t in enumerate(top) if t != token]
 
@@ -127,6 +127,26 @@ def test_a_resumed_request_computes_only_the_rows_it_lacks():
     assert [(s.request.request_id, s.first, s.row, s.count) for s in spans] == [("a", 6, 12, 6), ("b", 0, 18, 9)]
     resumed.prompt_logprobs = [row] * 19
     assert tracker._spans(scheduled[1:2], torch.tensor([0, 8])) == []
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_the_gpu_with_cuda_graphs(llama_dir):
+    """On CUDA with decode and mixed graphs and chunked prefill beside decodes:
+    the prompt rows read from graph replays' hidden states match HF on CUDA."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).cuda().eval()
+    llm = LLM(str(llama_dir), dtype="float32", device="cuda", block_size=16, max_model_len=256,
+              kv_cache_memory_gb=1, max_num_batched_tokens=32)
+    prompts = random_prompts([5, 70, 9, 100, 41], seed=9)
+    asks = [None, 2, None, 4, 0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=n) for n in asks],
+                        use_tqdm=False)
+    for prompt, n, out in zip(prompts, asks, outs):
+        if n is None:
+            assert out.prompt_logprobs is None
+        else:
+            assert_matches_hf(model, prompt, out.prompt_logprobs, n, tol=2e-3)
+    assert sum(llm.engine.runner.mixed_graphs.num_replays.values()) > 0
 
 
 def test_requests_not_asking_cost_no_prompt_logprob_work(llama_dir, monkeypatch):

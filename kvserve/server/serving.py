@@ -74,9 +74,9 @@ class _Format:
         return self.echo[index // self.n] if self.echo else ""
 
     def choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        logprobs = self._completion_logprobs(index, c, c.token_ids, c.logprobs, self.echo is not None, 0)
         out = {"index": index, "text": self._echo(index) + c.text, "finish_reason": c.finish_reason,
-               "stop_reason": c.stop_reason,
-               "logprobs": self._completion_logprobs(index, c, c.token_ids, c.logprobs, self.echo is not None, 0)}
+               "stop_reason": c.stop_reason, "logprobs": logprobs}
         if self.want_prompt_logprobs:
             out["prompt_logprobs"] = self.vllm_prompt_logprobs(index, c.prompt_logprobs)
         return out
@@ -493,7 +493,8 @@ def _clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def _prompt_entries(prompt_ids: list[int], rows: list[PromptLogprobRow | None] | None) -> list[dict[int, float] | None]:
+def _prompt_entries(prompt_ids: list[int],
+                    rows: list[PromptLogprobRow | None] | None) -> list[dict[int, float] | None]:
     """Per prompt token: None for the first (and for any the engine lost), else token id -> logprob."""
     entries = [None if e is None else {t: lp.logprob for t, lp in e.items()}
                for e in prompt_logprobs_of(prompt_ids, rows or [])]
