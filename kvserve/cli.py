@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="at the tail of a burst, rotate KV-blocked requests in every N steps (0: off)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "prefix"],
                    help="admission order (prefix: requests sharing a running request's prefix may go first)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs of this host to split the model over (one process each)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -49,7 +51,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 enforce_eager=a.enforce_eager, seed=a.seed, cpu_kv_cache_gb=a.cpu_kv_cache_gb,
                 eviction_policy=a.eviction_policy, preemption_mode=a.preemption_mode,
                 kv_rotation_interval=a.kv_rotation_interval,
-                scheduling_policy=a.scheduling_policy)
+                scheduling_policy=a.scheduling_policy, tensor_parallel_size=a.tensor_parallel_size)
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -107,6 +107,9 @@ class EngineArgs:
     kv_copy_bandwidth_gbps: float = 25.0
     kv_rotation_interval: int = 0
     scheduling_policy: str = "fcfs"
+    # Ranks (GPUs of one host) each holding a shard of the model; 1: no
+    # tensor parallelism, no extra process (kvserve/distributed/).
+    tensor_parallel_size: int = 1
     # Who drives the engine: "llm" (offline batches) or "server"; picks the
     # default token budget, as vLLM's usage context does.
     usage: str = "llm"
@@ -121,8 +124,16 @@ class EngineArgs:
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict of config fields, got {self.hf_overrides!r}")
+        self._check_tensor_parallel()
         # Validate cache knobs early, before any model loading.
         self.cache_config()
+
+    def _check_tensor_parallel(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.cpu_kv_cache_gb > 0:
+            raise ValueError(f"the host KV tier (cpu_kv_cache_gb={self.cpu_kv_cache_gb}) is not supported with "
+                             f"tensor_parallel_size={self.tensor_parallel_size} yet; set cpu_kv_cache_gb=0")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,

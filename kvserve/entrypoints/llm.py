@@ -18,13 +18,14 @@ class LLM:
                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None,
                  kv_cache_memory_gb: float | None = None, load_format: str = "auto", seed: int = 0,
-                 hf_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 hf_overrides: dict[str, Any] | None = None, tensor_parallel_size: int = 1,
+                 **kwargs: Any) -> None:
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
                           block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                           max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
                           kv_cache_memory_gb=kv_cache_memory_gb, load_format=load_format, seed=seed,
-                          hf_overrides=hf_overrides, **kwargs)
+                          hf_overrides=hf_overrides, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.engine = LLMEngine(args)
 
     def get_tokenizer(self) -> Any:

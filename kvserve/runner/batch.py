@@ -85,23 +85,29 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.T
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
                     device: torch.device) -> ModelInputs:
+    rows = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+    return inputs_for_rows(host, rows, [scheduled[i] for i in rows], block_size, device)
+
+
+def inputs_for_rows(host: HostBatch, rows: list[int], sampling_rows: list[ScheduledRequest],
+                    block_size: int, device: torch.device) -> ModelInputs:
+    """Device inputs whose logits rows are those of sequences `rows` (a
+    tensor-parallel worker, which samples nothing, passes none)."""
     def to(t: torch.Tensor) -> torch.Tensor:
         return upload(t, device)
     seq_idx, positions = to(host.seq_idx), to(host.positions)
     tables = [to(t) for t in host.block_tables]
     slots = [slot_mapping(t, seq_idx, positions, block_size) for t in tables]
-    rows = [i for i, s in enumerate(scheduled) if s.completes_sequence]
     last = host.query_start_loc[1:].long() - 1
-    logits_indices = last if len(rows) == len(scheduled) else last[rows]
+    logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
     meta = AttentionMetadata(
-        num_seqs=len(scheduled), num_tokens=len(host.input_ids), block_size=block_size,
+        num_seqs=len(host.seq_lens_list), num_tokens=len(host.input_ids), block_size=block_size,
         query_start_loc=to(host.query_start_loc), seq_lens=to(host.seq_lens),
         block_tables=tables, slot_mappings=slots,
         max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens_list),
         query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens_list)
     return ModelInputs(input_ids=to(host.input_ids), positions=positions, meta=meta,
-                       logits_indices=to(logits_indices), sampling_rows=[scheduled[i] for i in rows],
-                       host=host)
+                       logits_indices=to(logits_indices), sampling_rows=sampling_rows, host=host)
 
 
 def slot_mapping(table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor,

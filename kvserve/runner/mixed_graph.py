@@ -54,8 +54,8 @@ class MixedGraphs:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.buckets = token_buckets(max_num_batched_tokens)
-        config = model.config
-        self.block_q = PrefillConfig().block_q(config.num_attention_heads, config.num_key_value_heads)
+        # This rank's heads: under tensor parallelism the attention layers see only their share.
+        self.block_q = PrefillConfig().block_q(*model.local_attention_heads)
         t, s = self.buckets[-1], self.seq_capacity(self.buckets[-1])
         width = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(t, dtype=torch.long, device=device)

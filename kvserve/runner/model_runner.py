@@ -55,8 +55,14 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int) -> None:
+    # Tensor parallelism: sends each step's inputs to the other ranks
+    # (kvserve/distributed/launcher.py); None on one GPU.
+    step_channel = None
+
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int,
+                 step_channel=None) -> None:
         self.model = model
+        self.step_channel = step_channel
         self.layout = layout
         self.device = device
         self.sampler = Sampler(seed, device)
@@ -123,6 +129,8 @@ class ModelRunner:
         self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
         inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device)
         self._fill_pending(inputs, out, previous)
+        if self.step_channel is not None:
+            self.step_channel.publish(inputs)
         hidden = self._forward(inputs)
         prompt = prompt_logprobs.launch(self.model, hidden, out.scheduled, inputs.host.query_start_loc) \
             if prompt_logprobs else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -23,6 +23,9 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loaders import dummy, gguf_loader, safetensors_loader  # noqa: F401 (register)
 from kvserve.model.loaders.base import ResolvedModel, WeightSource, get_loader, register_loader
 from kvserve.model.loaders.hf_files import load_tokenizer
+
+if TYPE_CHECKING:
+    from kvserve.distributed.group import TPGroup
 
 __all__ = ["EMBEDDED_MODEL_NAME", "LoadedModel", "ResolvedModel", "WeightSource",
            "build_model", "detect_format", "embedded_gguf_path", "load_model",
@@ -86,15 +89,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
 
 
 def build_model(config: ModelConfig, backend: AttentionBackend, layer_to_group: list[int],
-                dtype: str | torch.dtype = "auto",
-                device: str | torch.device = "cpu") -> LlamaForCausalLM:
+                dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                group: "TPGroup | None" = None) -> LlamaForCausalLM:
     """An uninitialised model on `device` in `dtype`; fill it with `load_into`.
 
     Built on the meta device then materialised, so no time goes into random
-    init that the weights overwrite anyway.
+    init that the weights overwrite anyway. With a tensor-parallel `group`,
+    this rank's shard.
     """
     with _default_dtype(resolve_dtype(dtype, device)), torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, layer_to_group)
+        model = LlamaForCausalLM(config, backend, layer_to_group, group)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.rotary.reset_parameters()

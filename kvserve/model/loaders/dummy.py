@@ -6,16 +6,20 @@ config.json (weights, if any, are ignored; its tokenizer is loaded), so two
 engines can serve the same random model with the same tokenizer.
 
 Weights are drawn directly on the model's device, so an 8B model never
-passes through host memory.
+passes through host memory. Each parameter is drawn at its single-rank shape;
+a tensor-parallel rank keeps its part of it, so every tensor-parallel size
+serves the same model.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from kvserve.distributed.sharding import narrow
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.base import ResolvedModel, register_loader
 from kvserve.model.loaders.hf_files import read_json, tokenizer_in
@@ -36,6 +40,15 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3-8b": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+    # meta-llama/Llama-3.1-70B-Instruct shapes (for tensor-parallel benchmarks).
+    "llama3-70b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
         "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
@@ -65,15 +78,34 @@ class DummyWeights:
     @torch.no_grad()
     def load_into(self, model: "LlamaForCausalLM") -> None:
         """Normal(0, std) matrices, zero biases, unit norm weights."""
-        for name, param in model.named_parameters():
-            generator = torch.Generator(device=param.device).manual_seed(
-                self.seed + _stable_hash(name))
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, self.std, generator=generator)
+        if model.shard.size == 1:
+            for name, param in model.named_parameters():
+                self._fill(name, param)
+            return
+        model.load_weights(self._checkpoint_parts(model))
+
+    def _fill(self, name: str, tensor: torch.Tensor) -> None:
+        generator = torch.Generator(device=tensor.device).manual_seed(self.seed + _stable_hash(name))
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, self.std, generator=generator)
+
+    def _checkpoint_parts(self, model: "LlamaForCausalLM") -> Iterator[tuple[str, torch.Tensor]]:
+        """Each single-rank parameter drawn whole (one at a time), split into its
+        checkpoint tensors, each cut to this rank's part."""
+        like = next(model.parameters())
+        full = model.unsharded()
+        pieces = defaultdict(list)
+        for hf_name, (param_name, start, rows) in full.checkpoint_targets().items():
+            pieces[param_name].append((hf_name, start, rows))
+        for name, param in full.named_parameters():
+            tensor = torch.empty(param.shape, dtype=like.dtype, device=like.device)
+            self._fill(name, tensor)
+            for hf_name, start, rows in pieces[name]:
+                yield hf_name, narrow(tensor[start:start + rows], model.checkpoint_slice(hf_name))
 
 
 def _stable_hash(name: str) -> int:

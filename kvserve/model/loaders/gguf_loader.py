@@ -3,16 +3,22 @@
 Owns the llama.cpp -> HF name mapping and undoing llama.cpp's q/k row
 permutation (its converter interleaves each head's two rotary halves; HF
 weights use rotate-half order), as transformers' GGUF integration does.
+
+Under tensor parallelism a rank dequantizes only its rows of a row-split
+tensor (quantization blocks run along a row, so rows cut cleanly; the
+permutation stays inside a head, and a rank's rows are whole heads); a
+column-split tensor is dequantized whole on the host and cut there.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from kvserve.distributed.sharding import Slice
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.base import ResolvedModel, register_loader
 
@@ -61,21 +67,33 @@ class GGUFWeights:
     num_heads: int
     num_kv_heads: int
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from gguf.quants import dequantize
+    def iter_weights(self, part_of: Callable[[str], Slice | None] = lambda name: None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float tensor) of every GGUF tensor, cut to `part_of(name)`."""
         for tensor in self.reader.tensors:
-            array = dequantize(tensor.data, tensor.tensor_type)
-            # F32 tensors come back as read-only views of the memory map.
-            weight = torch.from_numpy(array if array.flags.writeable else array.copy())
             name = hf_name(tensor.name)
-            if ".attn_q." in tensor.name:
-                weight = unpermute_rope_rows(weight, self.num_heads)
-            elif ".attn_k." in tensor.name:
-                weight = unpermute_rope_rows(weight, self.num_kv_heads)
+            part = part_of(name)
+            rows = (part.start, part.stop) if part is not None and part.dim == 0 else None
+            weight = _dequantize(tensor, rows)
+            if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+                heads = self.num_heads if ".attn_q." in tensor.name else self.num_kv_heads
+                head_dim = tensor.data.shape[0] // heads
+                weight = unpermute_rope_rows(weight, weight.shape[0] // head_dim)
+            if part is not None and part.dim == 1:
+                weight = weight.narrow(1, part.start, part.length)
             yield name, weight
 
     def load_into(self, model: "LlamaForCausalLM") -> None:
-        model.load_weights(self.iter_weights())
+        model.load_weights(self.iter_weights(model.checkpoint_slice))
+
+
+def _dequantize(tensor: Any, rows: tuple[int, int] | None) -> torch.Tensor:
+    """Float32 rows [start, stop) of a GGUF tensor (all rows when None)."""
+    from gguf.quants import dequantize
+    data = tensor.data if rows is None else tensor.data[rows[0]:rows[1]]
+    array = dequantize(data, tensor.tensor_type)
+    # F32 tensors come back as read-only views of the memory map.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 @register_loader("gguf")

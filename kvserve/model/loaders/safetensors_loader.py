@@ -1,14 +1,18 @@
 """HF checkpoint directories: config.json + one or many *.safetensors files
-(+ optional tokenizer files and generation_config.json)."""
+(+ optional tokenizer files and generation_config.json).
+
+Under tensor parallelism each rank reads only its part of every tensor
+(safetensors slices the memory-mapped file)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
+from kvserve.distributed.sharding import Slice
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders.base import ResolvedModel, register_loader
 from kvserve.model.loaders.hf_files import read_json, tokenizer_in
@@ -20,14 +24,22 @@ if TYPE_CHECKING:
 class SafetensorsWeights:
     files: tuple[Path, ...]
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, part_of: Callable[[str], Slice | None] = lambda name: None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every checkpoint tensor, cut to `part_of(name)` when it names a part."""
         for path in self.files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    part = part_of(name)
+                    yield name, f.get_tensor(name) if part is None else _read_part(f.get_slice(name), part)
 
     def load_into(self, model: "LlamaForCausalLM") -> None:
-        model.load_weights(self.iter_weights())
+        model.load_weights(self.iter_weights(model.checkpoint_slice))
+
+
+def _read_part(view: Any, part: Slice) -> torch.Tensor:
+    index = (slice(None),) * part.dim + (slice(part.start, part.stop),)
+    return view[index]
 
 
 @register_loader("safetensors")
