@@ -45,18 +45,18 @@ def _pool_rows(m, l, acc, storage_ptr, unit, state_offset, state_width, state_ro
 
 
 @triton.jit
-def _norm_and_rope(pooled, norm_ptr, cos_row, sin_row, cols, col_mask, dim, eps, dtype: tl.constexpr,
-                   HALF_ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_and_rope(pooled, norm_ptr, cos_row, sin_row, cols, col_mask, eps, dtype: tl.constexpr,
+                   DIM: tl.constexpr, HALF_ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Weighted RMS norm of `pooled` (rounded to the cache dtype first, as the
     torch path norms the pooled entry), then the interleaved rotation of the
     trailing 2 * HALF_ROPE channels."""
     x = tl.where(col_mask, pooled.to(dtype).to(tl.float32), 0.0)
-    x = x * tl.rsqrt(tl.sum(x * x, 0) / dim + eps)
+    x = x * tl.rsqrt(tl.sum(x * x, 0) / DIM + eps)
     x = (tl.load(norm_ptr + cols, mask=col_mask, other=0.0) * x).to(dtype).to(tl.float32)
     even, odd = tl.split(tl.reshape(x, (BLOCK_D // 2, 2)))
     pair = tl.arange(0, BLOCK_D // 2)
-    rope_pair = pair - (dim // 2 - HALF_ROPE)
-    in_rope = (rope_pair >= 0) & (pair < dim // 2)
+    rope_pair = pair - (DIM // 2 - HALF_ROPE)
+    in_rope = (rope_pair >= 0) & (pair < DIM // 2)
     cos = tl.load(cos_row + rope_pair, mask=in_rope, other=1.0).to(tl.float32)
     sin = tl.load(sin_row + rope_pair, mask=in_rope, other=0.0).to(tl.float32)
     return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (BLOCK_D,))
@@ -66,7 +66,7 @@ def _norm_and_rope(pooled, norm_ptr, cos_row, sin_row, cols, col_mask, dim, eps,
 def _compress_kernel(storage_ptr, unit, state_offset, state_width, state_table, state_stride_table,
                      entry_offset, entry_width, entry_table, entry_stride_table,
                      kv_col, gate_col, out_col, ape_ptr, norm_ptr, cos_ptr, sin_ptr, stride_rope,
-                     seq_idx_ptr, pos_ptr, dim, eps, RATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     seq_idx_ptr, pos_ptr, eps, RATE: tl.constexpr, PAGE_SIZE: tl.constexpr, DIM: tl.constexpr,
                      OVERLAP: tl.constexpr, HALF_ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
@@ -76,27 +76,27 @@ def _compress_kernel(storage_ptr, unit, state_offset, state_width, state_table, 
         return  # this token closes no window
     w = (pos + 1) // RATE - 1
     cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < dim
+    col_mask = cols < DIM  # all true for power-of-two dims: the loads stay vectorised
     state_row_ptr = state_table + seq.to(tl.int64) * state_stride_table
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     if OVERLAP:
-        ape_stride = 2 * dim
-        current = dim  # this window's channels are the second half
+        ape_stride = 2 * DIM
+        current = DIM  # this window's channels are the second half
         if w > 0:
             m, l, acc = _pool_rows(m, l, acc, storage_ptr, unit, state_offset, state_width, state_row_ptr,
                                    (w - 1) * RATE, kv_col, gate_col, ape_ptr, ape_stride, 0, cols, col_mask,
                                    RATE, PAGE_SIZE, BLOCK_R)
     else:
-        ape_stride = dim
+        ape_stride = DIM
         current = 0
     m, l, acc = _pool_rows(m, l, acc, storage_ptr, unit, state_offset, state_width, state_row_ptr, w * RATE,
                            kv_col + current, gate_col + current, ape_ptr, ape_stride, current, cols, col_mask,
                            RATE, PAGE_SIZE, BLOCK_R)
     dtype = storage_ptr.dtype.element_ty
     entry = _norm_and_rope(acc / l, norm_ptr, cos_ptr + t.to(tl.int64) * stride_rope,
-                           sin_ptr + t.to(tl.int64) * stride_rope, cols, col_mask, dim, eps, dtype,
+                           sin_ptr + t.to(tl.int64) * stride_rope, cols, col_mask, eps, dtype, DIM,
                            HALF_ROPE, BLOCK_D)
     entry_row_ptr = entry_table + seq.to(tl.int64) * entry_stride_table
     row = entry_rows(entry_row_ptr, w, True, unit, entry_offset, entry_width, RATE, PAGE_SIZE)
@@ -127,5 +127,5 @@ def compress(state: PageRef, entries: PageRef, batch: V4PagedBatch, columns: tup
         batch.storage, batch.storage.stride(0), state.offset, state.width, state.table, state.table.stride(0),
         entries.offset, entries.width, entries.table, entries.table.stride(0),
         kv_col, gate_col, out_col, ape, norm_weight, cos, sin, cos.stride(0), batch.seq_idx, batch.positions,
-        dim, eps, RATE=rate, PAGE_SIZE=batch.block_size, OVERLAP=overlap, HALF_ROPE=cos.shape[1],
+        eps, RATE=rate, PAGE_SIZE=batch.block_size, DIM=dim, OVERLAP=overlap, HALF_ROPE=cos.shape[1],
         BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)

@@ -7,9 +7,9 @@ One program scores one token's chunk of entries, all indexer heads as the
 rows of one tl.dot, so each key is read once per token.
 
 Top-k: an exact radix select per token over the order-preserving uint32 keys
-of the float scores (8 bits per pass, four passes) finds the k-th largest
-score T; the chosen entries are those above T plus the earliest ones equal to
-T, as the stable sort of `v4_torch_ref.top_k_mask` chooses. Indices are
+of the float scores (8 bits per pass, at most four passes) finds the k-th
+largest score T; the chosen entries are those above T plus the earliest ones
+equal to T, as the stable sort of `v4_torch_ref.top_k_mask` chooses. Indices are
 written in ascending entry order, -1 after them; every row is fully written.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry
 SCORE_BLOCK_E = 64       # keys per score tile
 SCORE_WAVES = 4          # score programs: about this many waves over the SMs
 TOPK_MAX_TILE = 16384    # scores per top-k tile (a row up to this long is one tile)
+SCORE_BUFFER_BYTES = 256 << 20  # score rows scored per launch pair, at most (one row: one token)
 
 
 @triton.jit(do_not_specialize=["stride_table"])
@@ -67,35 +68,40 @@ def _sortable(scores):
 
 @triton.jit
 def _pick_digit(hist, want):
-    """The 8-bit digit holding the want-th largest key, and how many keys of
-    the current prefix lie above that digit."""
+    """The 8-bit digit holding the want-th largest key, how many keys of the
+    current prefix lie above that digit, and how many hold it."""
     bins = tl.arange(0, 256)
     at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
     digit = tl.max(tl.where(at_or_above >= want, bins, -1), 0)
     above = tl.sum(tl.where(bins > digit, hist, 0), 0)
-    return digit, above
+    return digit, above, tl.sum(tl.where(bins == digit, hist, 0), 0)
 
 
 @triton.jit
 def _radix_threshold(score_row, num_entries, k, BLOCK: tl.constexpr):
-    """(T, n): the k-th largest key T of the row, and how many keys equal to
-    T belong to the top k."""
+    """(T, high, n): the top k are the keys whose bits under `high` exceed T,
+    then the first n whose bits under `high` equal T. Passes stop once the
+    bin holding the k-th key is taken whole (with distinct scores, usually
+    before the last byte)."""
     prefix = tl.zeros([], tl.uint32)
     high = tl.zeros([], tl.uint32)  # bits of the key fixed so far
     want = k
+    done = k <= 0
     for shift in tl.static_range(24, -8, -8):
-        hist = tl.zeros([256], tl.int32)
-        for e0 in range(0, num_entries, BLOCK):
-            e = e0 + tl.arange(0, BLOCK)
-            valid = e < num_entries
-            key = _sortable(tl.load(score_row + e, mask=valid, other=0.0))
-            match = valid & ((key & high) == prefix)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-        digit, above = _pick_digit(hist, want)
-        want -= above
-        prefix |= digit.to(tl.uint32) << shift
-        high |= tl.full([], 255, tl.uint32) << shift
-    return prefix, want
+        if not done:
+            hist = tl.zeros([256], tl.int32)
+            for e0 in range(0, num_entries, BLOCK):
+                e = e0 + tl.arange(0, BLOCK)
+                valid = e < num_entries
+                key = _sortable(tl.load(score_row + e, mask=valid, other=0.0))
+                match = valid & ((key & high) == prefix)
+                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            digit, above, in_bin = _pick_digit(hist, want)
+            want -= above
+            prefix |= digit.to(tl.uint32) << shift
+            high |= tl.full([], 255, tl.uint32) << shift
+            done = want == in_bin
+    return prefix, high, want
 
 
 @triton.jit
@@ -112,13 +118,13 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
             tl.store(out_row + j, tl.where(j < num_entries, j, -1).to(tl.int32), mask=j < k)
         return
     score_row = scores_ptr + t.to(tl.int64) * stride_st
-    threshold, num_equal = _radix_threshold(score_row, num_entries, k, BLOCK)
+    threshold, high, num_equal = _radix_threshold(score_row, num_entries, k, BLOCK)
     taken = tl.zeros([], tl.int32)
     equal_before = tl.zeros([], tl.int32)
     for e0 in range(0, num_entries, BLOCK):
         e = e0 + tl.arange(0, BLOCK)
         valid = e < num_entries
-        key = _sortable(tl.load(score_row + e, mask=valid, other=0.0))
+        key = _sortable(tl.load(score_row + e, mask=valid, other=0.0)) & high
         equal = (valid & (key == threshold)).to(tl.int32)
         equal_rank = equal_before + tl.cumsum(equal, 0) - 1
         chosen = (valid & (key > threshold)) | ((equal == 1) & (equal_rank < num_equal))
@@ -179,9 +185,17 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int,
 
 def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
                 rate: int, k: int) -> torch.Tensor:
-    """[T, k] int32: each token's top-k visible entries (ascending, -1 padded)."""
-    scores = torch.empty(batch.num_tokens, max(1, batch.max_seq_len // rate), dtype=torch.float32,
-                         device=q.device)
-    index_scores(q, weights, keys, key_col, batch, rate, scores)
+    """[T, k] int32: each token's top-k visible entries (ascending, -1 padded).
+
+    Scores are a [tokens, max_seq_len // rate] float32 buffer: long prefill
+    chunks at long contexts are scored SCORE_BUFFER_BYTES at a time (an
+    8,192-token chunk at 1M tokens would need 8.6 GB at once)."""
+    width = max(1, batch.max_seq_len // rate)
+    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * width)))
+    scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q.device)
-    return top_k_indices(scores, batch, rate, k, out)
+    for first in range(0, batch.num_tokens, rows):
+        part = batch.tokens(first, min(batch.num_tokens, first + rows))
+        index_scores(q[first:first + rows], weights[first:first + rows], keys, key_col, part, rate, scores)
+        top_k_indices(scores, part, rate, k, out[first:first + rows])
+    return out

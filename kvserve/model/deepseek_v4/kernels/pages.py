@@ -57,6 +57,11 @@ class V4PagedBatch:
     def block_size(self) -> int:
         return self.layout.block_size
 
+    def tokens(self, first: int, end: int) -> "V4PagedBatch":
+        """The same batch restricted to tokens [first, end) (shared scratch)."""
+        return V4PagedBatch(self.storage, self.layout, self.block_tables, self.seq_idx[first:end],
+                            self.positions[first:end], self.max_seq_len, self.scratch)
+
     def page(self, kind: str, layer: int) -> PageRef:
         """`layer`'s pages of `kind` (sliding, csa_state, csa_entries, hca_state, hca_entries)."""
         group_id, g = self.layout.find(kind, layer)
@@ -84,17 +89,17 @@ def entry_rows(table_row, entry, mask, unit, offset, width, RATE: tl.constexpr, 
 
 # Table widths change from batch to batch: not specialised (no recompiles in a served run).
 @triton.jit(do_not_specialize=["stride_table"])
-def _write_rows_kernel(src_ptr, stride_src, storage_ptr, unit, offset, width, table_ptr, stride_table,
-                       seq_idx_ptr, pos_ptr, PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr):
+def _write_rows_kernel(src_ptr, stride_src, storage_ptr, unit, offset, table_ptr, stride_table, seq_idx_ptr, pos_ptr,
+                       WIDTH: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     if seq < 0:
         return
     pos = tl.load(pos_ptr + t).to(tl.int32)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row = token_rows(table_ptr + seq.to(tl.int64) * stride_table, pos, True, unit, offset, width, PAGE_SIZE)
-    vals = tl.load(src_ptr + t.to(tl.int64) * stride_src + cols, mask=cols < width)
-    tl.store(storage_ptr + row + cols, vals.to(storage_ptr.dtype.element_ty), mask=cols < width)
+    row = token_rows(table_ptr + seq.to(tl.int64) * stride_table, pos, True, unit, offset, WIDTH, PAGE_SIZE)
+    vals = tl.load(src_ptr + t.to(tl.int64) * stride_src + cols, mask=cols < WIDTH)
+    tl.store(storage_ptr + row + cols, vals.to(storage_ptr.dtype.element_ty), mask=cols < WIDTH)
 
 
 def write_rows(rows: torch.Tensor, page: PageRef, batch: V4PagedBatch) -> None:
@@ -104,10 +109,11 @@ def write_rows(rows: torch.Tensor, page: PageRef, batch: V4PagedBatch) -> None:
                          f"column stride, got {tuple(rows.shape)} stride {rows.stride()}")
     if batch.num_tokens == 0:
         return
-    block_c = min(1024, triton.next_power_of_2(page.width))
+    block_c = min(1024, page.width & -page.width)  # a power of two dividing the width: no partial tiles
+    block_c = block_c if block_c >= 64 else min(1024, triton.next_power_of_2(page.width))
     grid = (batch.num_tokens, triton.cdiv(page.width, block_c))
     _write_rows_kernel[grid](rows, rows.stride(0), batch.storage, batch.storage.stride(0), page.offset,
-                             page.width, page.table, page.table.stride(0), batch.seq_idx, batch.positions,
+                             page.table, page.table.stride(0), batch.seq_idx, batch.positions, WIDTH=page.width,
                              PAGE_SIZE=batch.block_size, BLOCK_C=block_c)
 
 
