@@ -9,6 +9,8 @@ The CPU has 2 cores, so each case builds one two-rank engine on a tiny model.
 """
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -58,6 +60,15 @@ def test_two_ranks_match_hf_and_one_rank(tmp_path, kind, kv_heads, prefix_cachin
         driver.close()
     # Closing stops the worker: it leaves its step loop and exits cleanly.
     assert [p.exitcode for p in driver._workers.processes] == [0]
+
+
+def test_a_driver_failure_after_spawning_stops_the_worker(tmp_path):
+    """The driver alone checks that one request fits the KV cache, after the
+    worker has started: the error is the driver's, and no worker is left."""
+    path = save_tiny_checkpoint("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="max_model_len=128 needs .* KV blocks per request but the cache holds 2"):
+        _llm(path, 2, num_kv_blocks=3, block_size=16)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("kvserve-tp-rank")]
 
 
 def _assert_same_prompt_logprobs(one: LLM, two: LLM, prompt: list[int]) -> None:

@@ -158,9 +158,11 @@ class _Workers:
 
     def stop(self, publisher: StepPublisher | None) -> None:
         self.stopping = True
-        if publisher is not None and all(p.is_alive() for p in self.processes):
-            with contextlib.suppress(Exception):
-                publisher.stop()
+        if publisher is not None:
+            publisher.group.announce_logits = None  # nobody listens any more
+            if all(p.is_alive() for p in self.processes):
+                with contextlib.suppress(Exception):
+                    publisher.stop()
         for process in self.processes:
             process.join(STOP_TIMEOUT_S)
             if process.is_alive():

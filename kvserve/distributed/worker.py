@@ -49,7 +49,7 @@ def _rank_device(device_type: str, rank: int, size: int) -> torch.device:
 def _build(args: EngineArgs, group: TPGroup):
     from kvserve.engine.builder import build_rank_model, build_runner
     from kvserve.model.loaders import resolve_model
-    resolved = resolve_model(args.model, args.load_format, args.hf_overrides)
+    resolved = resolve_model(args.model, args.load_format, args.hf_overrides, with_tokenizer=False)
     return build_runner(args, build_rank_model(args, resolved, group.device, group))
 
 

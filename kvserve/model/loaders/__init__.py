@@ -64,14 +64,15 @@ def detect_format(model: str) -> str:
 
 def resolve_model(model: str | None, load_format: str = "auto",
                   hf_overrides: dict[str, Any] | None = None,
-                  tokenizer: str | None = None) -> ResolvedModel:
+                  tokenizer: str | None = None, with_tokenizer: bool = True) -> ResolvedModel:
     """Config, weight source and tokenizer for `model` (None: embedded SmolLM2).
 
     `load_format="dummy"` takes a `dummy:` name or an HF directory's shape;
-    `tokenizer` (a directory) replaces the model's own tokenizer."""
+    `tokenizer` (a directory) replaces the model's own tokenizer;
+    `with_tokenizer=False` loads none."""
     name = str(embedded_gguf_path()) if model is None else model
     fmt = detect_format(name) if load_format == "auto" else load_format
-    resolved = get_loader(fmt)(name, hf_overrides)
+    resolved = get_loader(fmt)(name, hf_overrides, with_tokenizer)
     if tokenizer is not None:
         resolved = replace(resolved, tokenizer=load_tokenizer(tokenizer))
     return resolved

@@ -31,7 +31,9 @@ class ResolvedModel:
     tokenizer: Any | None     # a transformers tokenizer, or None (dummy, no files)
 
 
-Resolver = Callable[[str, "dict[str, Any] | None"], ResolvedModel]
+# (model, hf_overrides, with_tokenizer): a tensor-parallel worker passes
+# with_tokenizer=False (it never tokenizes; a GGUF tokenizer takes seconds to build).
+Resolver = Callable[[str, "dict[str, Any] | None", bool], ResolvedModel]
 _LOADERS: dict[str, Resolver] = {}
 
 

@@ -114,9 +114,9 @@ def _stable_hash(name: str) -> int:
 
 
 @register_loader("dummy")
-def resolve_dummy(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedModel:
+def resolve_dummy(model: str, hf_overrides: dict[str, Any] | None, with_tokenizer: bool = True) -> ResolvedModel:
     if not model.startswith(PREFIX) and Path(model).is_dir():
-        return _resolve_hf_directory(model, hf_overrides)
+        return _resolve_hf_directory(model, hf_overrides, with_tokenizer)
     shape = model.removeprefix(PREFIX)
     if shape not in DUMMY_CONFIGS:
         raise ValueError(f"unknown dummy model {model!r}; pass an HF directory with a "
@@ -127,7 +127,7 @@ def resolve_dummy(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedMo
                          weights=DummyWeights(), tokenizer=None)
 
 
-def _resolve_hf_directory(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedModel:
+def _resolve_hf_directory(model: str, hf_overrides: dict[str, Any] | None, with_tokenizer: bool) -> ResolvedModel:
     """The directory's config (and generation config, for eos ids) and tokenizer."""
     directory = Path(model)
     config_path = directory / "config.json"
@@ -138,4 +138,4 @@ def _resolve_hf_directory(model: str, hf_overrides: dict[str, Any] | None) -> Re
         read_json(config_path), hf_overrides,
         generation_config=read_json(directory / "generation_config.json"))
     return ResolvedModel(name=model, load_format="dummy", config=config,
-                         weights=DummyWeights(), tokenizer=tokenizer_in(directory))
+                         weights=DummyWeights(), tokenizer=tokenizer_in(directory) if with_tokenizer else None)

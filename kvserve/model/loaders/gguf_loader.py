@@ -97,7 +97,7 @@ def _dequantize(tensor: Any, rows: tuple[int, int] | None) -> torch.Tensor:
 
 
 @register_loader("gguf")
-def resolve_gguf(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedModel:
+def resolve_gguf(model: str, hf_overrides: dict[str, Any] | None, with_tokenizer: bool = True) -> ResolvedModel:
     path = Path(model)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {model!r} does not exist")
@@ -106,7 +106,7 @@ def resolve_gguf(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedMod
     config = ModelConfig.from_hf_config(hf_config_from_gguf(reader), hf_overrides)
     weights = GGUFWeights(reader, config.num_attention_heads, config.num_key_value_heads)
     return ResolvedModel(name=model, load_format="gguf", config=config,
-                         weights=weights, tokenizer=_tokenizer(path))
+                         weights=weights, tokenizer=_tokenizer(path) if with_tokenizer else None)
 
 
 def hf_config_from_gguf(reader: "GGUFReader") -> dict[str, Any]:

@@ -43,7 +43,8 @@ def _read_part(view: Any, part: Slice) -> torch.Tensor:
 
 
 @register_loader("safetensors")
-def resolve_safetensors(model: str, hf_overrides: dict[str, Any] | None) -> ResolvedModel:
+def resolve_safetensors(model: str, hf_overrides: dict[str, Any] | None,
+                        with_tokenizer: bool = True) -> ResolvedModel:
     directory = Path(model)
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")
@@ -57,5 +58,6 @@ def resolve_safetensors(model: str, hf_overrides: dict[str, Any] | None) -> Reso
         read_json(config_path), hf_overrides,
         generation_config=read_json(directory / "generation_config.json"))
     return ResolvedModel(name=model, load_format="safetensors", config=config,
-                         weights=SafetensorsWeights(files), tokenizer=tokenizer_in(directory))
+                         weights=SafetensorsWeights(files),
+                         tokenizer=tokenizer_in(directory) if with_tokenizer else None)
 
