@@ -41,7 +41,7 @@ DTYPE, DEVICE, ELEM = torch.bfloat16, "cuda", 2
 
 
 def _ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=150, return_mode="median")
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
 def _ids(count: int) -> torch.Tensor:

@@ -60,22 +60,22 @@ def _key_rows(j, end, num_window, pos, unit, sliding_row_ptr, sliding_offset, sl
     """Storage offsets and validity of the keys at virtual indices j < end."""
     valid = j < end
     in_window = j < num_window
-    window_rows = token_rows(sliding_row_ptr, pos - num_window + 1 + j, valid & in_window, unit,
-                             sliding_offset, sliding_width, PAGE_SIZE)
-    if RATE == 0:  # sliding-only layer
-        return window_rows, valid
-    compressed = j - num_window
-    if IS_CSA:
-        entry = tl.load(index_row_ptr + compressed, mask=valid & ~in_window, other=-1)
-        valid &= in_window | (entry >= 0)
-    else:
-        entry = compressed
-    entry_rows_ = entry_rows(entry_row_ptr, entry, valid & ~in_window, unit, entry_offset, entry_width, RATE,
-                             PAGE_SIZE)
-    # A blend, not tl.where: the compiler's alignment analysis gives up on a
-    # select of offsets, and the key loads would fall back to 2-byte accesses.
-    pick = in_window.to(tl.int64)
-    return window_rows * pick + entry_rows_ * (1 - pick), valid
+    rows = token_rows(sliding_row_ptr, pos - num_window + 1 + j, valid & in_window, unit, sliding_offset,
+                      sliding_width, PAGE_SIZE)
+    if RATE > 0:  # (not an early return for RATE 0: the compiler would still build the code after it)
+        compressed = j - num_window
+        if IS_CSA:
+            entry = tl.load(index_row_ptr + compressed, mask=valid & ~in_window, other=-1)
+            valid &= in_window | (entry >= 0)
+        else:
+            entry = compressed
+        entry_rows_ = entry_rows(entry_row_ptr, entry, valid & ~in_window, unit, entry_offset, entry_width, RATE,
+                                 PAGE_SIZE)
+        # A blend, not tl.where: the compiler's alignment analysis gives up on a
+        # select of offsets, and the key loads would fall back to 2-byte accesses.
+        pick = in_window.to(tl.int64)
+        rows = rows * pick + entry_rows_ * (1 - pick)
+    return rows, valid
 
 
 @triton.jit
