@@ -65,7 +65,9 @@ def _pair(tmp_path, types, **overrides):
 
 # CSA with 16 indexer heads: index scores never tie, so transformers' top-k is unambiguous.
 PARITY_CASES = [([SLIDING] * 2, {}), ([HCA] * 2, {}), ([CSA, HCA, SLIDING], {"index_n_heads": 16}),
-                ([CSA] * 2, {"index_topk": 64})]
+                ([CSA] * 2, {"index_topk": 64}),
+                # hidden size != head_dim: the real shapes (4096 vs 512); equal widths hid a bug once
+                ([SLIDING, CSA, HCA], {"hidden_size": 48, "index_n_heads": 16})]
 
 
 @pytest.mark.parametrize("types, overrides", PARITY_CASES)
