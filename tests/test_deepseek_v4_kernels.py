@@ -524,6 +524,57 @@ def test_kernels_under_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def compile_for_sm90(kernel, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 1,
+                     unaligned: frozenset = frozenset(), floats: frozenset = frozenset()):
+    """Compile a kernel for an H100/H200 (sm_90) without a GPU, with the launcher's
+    specialisation: pointers and ints other than `unaligned` are multiples of 16."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
+                 for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*") or (signature[n] == "i32" and n not in unaligned)}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs code the compiler rejects (it ran a constexpr branch's
+    early return and then divided by rate 0): every kernel at V4-Flash shapes, bf16,
+    compiled for sm_90 offline (Triton's bundled ptxas)."""
+    pytest.importorskip("triton")
+    import importlib
+    attention, indexer, compressor, pages = (importlib.import_module(f"kvserve.model.deepseek_v4.kernels.{m}")
+                                             for m in ("sparse_attention", "indexer", "compressor", "pages"))
+    ints = frozenset({"window", "topk", "num_splits", "num_heads", "k", "chunk"})
+    common = {"seq_idx_ptr": "*i32", "pos_ptr": "*i64", "storage_ptr": "*bf16"}
+    attn_ptrs = common | {"q_ptr": "*bf16", "out_ptr": "*bf16", "sliding_table": "*i32", "entry_table": "*i32",
+                          "index_ptr": "*i32", "sink_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    for rate, csa in ((4, True), (0, False)):  # (HCA: the CSA kernel without the index row)
+        compiled = compile_for_sm90(attention._sparse_attention_kernel, attn_ptrs, {
+            "RATE": rate, "PAGE_SIZE": 16, "HEAD_DIM": 512, "BLOCK_H": 64, "BLOCK_N": 32, "IS_CSA": csa,
+            "DOT_PRECISION": "tf32"}, 8, 2, ints, frozenset({"qk_scale"}))
+        assert compiled.metadata.shared <= 227 * 1024
+    compile_for_sm90(indexer._index_scores_kernel, common | {"q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32",
+                                                             "scores_ptr": "*fp32"},
+                     {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64,
+                      "DOT_PRECISION": "tf32"}, 4, 3, ints, frozenset({"scale"}))
+    compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
+                                             "pos_ptr": "*i64"}, {"RATE": 4, "BLOCK": 8192, "BLOCK_K": 512}, 8)
+    for rate, overlap in ((4, True), (128, False)):
+        compile_for_sm90(compressor._compress_kernel, common | {
+            "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
+            "sin_ptr": "*bf16"}, {"RATE": rate, "PAGE_SIZE": 16, "DIM": 512, "OVERLAP": overlap, "HALF_ROPE": 32,
+                                  "BLOCK_D": 512, "BLOCK_R": 8}, 4, floats=frozenset({"eps"}))
+    compile_for_sm90(pages._write_rows_kernel, common | {"src_ptr": "*bf16", "table_ptr": "*i32"},
+                     {"WIDTH": 2560, "PAGE_SIZE": 16, "BLOCK_C": 512}, 4)
+
+
 def test_attention_backend_choice(monkeypatch):
     from kvserve.model.deepseek_v4.engine import _attention_backend
     from kvserve.model.deepseek_v4.kernels import unsupported_reason
