@@ -41,7 +41,7 @@ def v4_config(shape: str, hca_rate: int = 128, **overrides) -> DeepseekV4Config:
     if shape == "tiny":
         base = {"index_topk": 3, "compress_rate_hca": hca_rate}
         return dummy_config("tiny-deepseek-v4", base | overrides)
-    base = {"num_hidden_layers": 3, "compress_ratios": [4, 128, 0], "hidden_size": 256, "n_routed_experts": 4,
+    base = {"num_hidden_layers": 3, "compress_ratios": [4, 128, 0], "hidden_size": 256, "n_routed_experts": 8,
             "num_hash_layers": 1, "compress_rate_hca": hca_rate}
     if shape == "mid":  # float32 on the GPU: V4-Flash dims compile to a spilling FMA kernel in float32
         base |= {"num_attention_heads": 16, "head_dim": 128, "index_n_heads": 16, "index_head_dim": 64,
@@ -586,6 +586,8 @@ def test_attention_backend_choice(monkeypatch):
     with pytest.raises(ValueError, match="must be 'torch' or 'triton', got 'flash'"):
         _attention_backend("flash", cpu, config)
     assert unsupported_reason(config) is None
+    for shape in ("flash", "mid"):  # the GPU tests' configs (checked here: no GPU needed to build them)
+        assert unsupported_reason(v4_config(shape)) is None
     assert unsupported_reason(v4_config("tiny", head_dim=24)) == "head_dim must be a power of two >= 16, got 24"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _attention_backend("triton", cpu, config) == "triton"
@@ -681,9 +683,9 @@ def test_layer_steps_gpu_float32():
 def test_layer_steps_gpu_bf16():
     """V4-Flash attention dims in bf16 (fewer than 512 entries: the indexer takes them all).
     The whole layer runs in bf16 here (projections, norms, rope), each step rounding
-    by ~4e-3, against float32 activations: hence 3e-2, not the kernels' 1e-2."""
+    by ~4e-3 (the torch path alone: 4-5e-3 against float32), so 2e-2, not the kernels' 1e-2."""
     err = check_layer_steps((CSA, HCA, SLIDING), GPU_CHUNKS, 16, BF16, "cuda", 6, shape="flash", hca_rate=128)
-    assert err < 3e-2
+    assert err < 2e-2
 
 
 def _engine_tokens(path, device: str, prompts, block_size: int, budget: int, max_tokens: int = 16, **kwargs):
