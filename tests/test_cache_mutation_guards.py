@@ -88,6 +88,25 @@ def test_v4_layout_of_a_tiny_config():
     assert layout.long_run_bytes_per_token(2) == {"csa_entries": 384 * 2 / 8, "hca_entries": 384 * 2 / 16}
 
 
+class TwentyCsaLayers(TinyV4Config):
+    num_hidden_layers = 20
+    layer_types = ["compressed_sparse_attention"] * 20
+
+
+def test_v4_unit_packs_all_entry_pages_when_that_stores_less():
+    """20 CSA layers: entry pages of 24 values, 16 to a 384-value unit (the
+    largest page, a CSA state's) or all 20 in a 480-value one. At 64K tokens
+    in 8-token blocks, 384 stores 2 entry groups of 8,192 blocks (+ 4 sliding
+    groups of 2 + 20 state groups of 2): 16,432 x 384 values; 480 stores one
+    entry group (+ 3 sliding, 20 state): 8,238 x 480, less. Units holding all
+    sliding (1,280) or all state layers (7,680) store more still."""
+    layout = v4_kv_layout(TwentyCsaLayers(), 8)
+    assert layout.unit == 480
+    assert [len(g.group.layer_ids) for g in layout.groups if g.kind.name == "csa_entries"] == [20]
+    assert [len(g.group.layer_ids) for g in layout.groups if g.kind.name == "sliding"] == [7, 7, 6]
+    assert layout.bytes_per_token(65536, 1) == pytest.approx((3 * 2 + 20 * 2 + 8192) * 480 / 65536)
+
+
 def test_v4_block_size_must_be_a_multiple_of_the_csa_rate():
     with pytest.raises(ValueError, match="multiple of the CSA rate 4, got 6"):
         v4_kv_layout(TinyV4Config(), 6)
@@ -102,6 +121,10 @@ def test_v4_block_size_must_be_a_multiple_of_the_csa_rate():
 def test_v4_specs_refuse_a_zero_rate(cls):
     with pytest.raises(ValueError, match="compress rate must be >= 1, got 0"):
         cls(0, True)
+
+
+def test_v4_rate_one_is_valid():
+    assert CompressorStateSpec(1, False).window == 1 and CompressedSpec(1, False).entries_per_block(4) == 4
 
 
 def test_v4_spec_fields():
@@ -350,6 +373,17 @@ def test_full_host_tier_evicts_its_oldest_entry_and_fences_on_it():
     computed, hit = kv.get_computed_blocks(request("c", list(range(8)) + [1]))
     assert hit == 8 and computed.block_ids() == [[1, -1]] and computed.blocks[0][1].slot == 0
     kv.check_integrity()
+    # D reclaims A's head (block 1) from the GPU: not on the host any more, so
+    # it is saved (an urgent copy), into the slot of the host's LRU entry, A's
+    # tail, which is now gone from both tiers: A's prompt hits its head only.
+    d = request("d", list(range(200, 204)) + [1])
+    assert kv.allocate_slots(d, 5) and kv.get_block_ids("d") == [[1, 2]]
+    batch = kv.take_pending_copies()
+    assert (batch.copies, batch.fence, batch.index) == ([BlockCopy(True, 1, 0)], 0, 2)
+    assert (host.num_saves, host.num_evictions, kv.num_evictions) == (1, 2, 2)
+    computed, hit = kv.get_computed_blocks(request("c", list(range(8)) + [1]))
+    assert hit == 4 and computed.block_ids() == [[-1]] and computed.blocks[0][0].slot == 0
+    kv.check_integrity()
 
 
 def test_swap_round_trip_counts():
@@ -509,6 +543,39 @@ def test_block_fill_counts_a_shared_block_at_its_fullest_holder():
 
 # -- bad input names the limit and the value ----------------------------------------------
 
+def test_reset_forgets_hashes_without_evicting():
+    """After a reset the blocks are plain free blocks: reusing every one of
+    them drops no hash (no eviction) and nothing of the old prompt hits."""
+    for policy in ("lru", "reuse"):
+        kv = manager([FULL], 4, eviction_policy=policy)
+        a = request("a", list(range(12)))
+        assert kv.allocate_slots(a, 12)
+        kv.free(a)
+        assert kv.reset_prefix_cache()
+        b = request("b", list(range(12)))
+        computed, hit = kv.get_computed_blocks(b)
+        assert hit == 0 and kv.allocate_slots(b, 12, computed)
+        assert kv.num_evictions == 0 and kv.num_free_blocks == 0
+        kv.check_integrity()
+
+
+def test_block_repr_says_whether_it_is_cached():
+    pool = BlockPool(3)
+    (block,) = pool.get_new_blocks(1)
+    assert repr(block) == "KVBlock(id=1, ref=1, uncached)"
+    pool.cache_block(block, 0, b"h" * 16, BlockContent(None, (1,), 0))
+    assert repr(block) == "KVBlock(id=1, ref=1, cached)"
+
+
+def test_host_metrics_without_a_host_tier_are_zero():
+    kv = manager([FULL], 8)
+    assert kv.host_metrics() == {
+        "kv_host_hit_tokens": 0, "kv_host_swap_outs": 0, "kv_host_swap_ins": 0, "kv_host_swap_drops": 0,
+        "kv_host_write_backs": 0, "kv_host_usage_perc": 0.0, "kv_host_cached_blocks": 0,
+        "kv_host_evictions": 0, "num_requests_swapped": 0}
+    assert kv.take_pending_copies().copies == [] and not kv.take_pending_copies()
+
+
 def test_pool_and_queue_errors():
     with pytest.raises(ValueError, match=r"need at least 2 KV blocks \(one is reserved\), got 1"):
         BlockPool(1)
@@ -554,7 +621,7 @@ def test_manager_errors():
         extend_block_hashes(r, 0)
     with pytest.raises(ValueError, match="no KV cache manager for attention spec 'lin'"):
         make_manager("lin", BlockPool(3), 4, 0)
-    with pytest.raises(ValueError, match="has no attention layers"):
+    with pytest.raises(ValueError, match="the model has no attention layers to build KV cache groups for"):
         make_kv_cache_groups([])
     with pytest.raises(ValueError, match="the host KV tier needs at least 1 block, got 0"):
         HostTier(0, 10)
