@@ -79,6 +79,20 @@ def _key_rows(j, end, num_window, pos, unit, sliding_row_ptr, sliding_offset, sl
 
 
 @triton.jit
+def _key_counts(seq, pos, window, topk, RATE: tl.constexpr, IS_CSA: tl.constexpr):
+    """(window keys, all keys) of the token at `pos`; none for a padding token (seq -1)."""
+    real = seq >= 0
+    num_window = tl.where(real, tl.minimum(pos + 1, window), 0)
+    if RATE > 0:
+        num_compressed = tl.where(real, (pos + 1) // RATE, 0)
+    else:
+        num_compressed = tl.zeros([], tl.int32)
+    if IS_CSA:
+        num_compressed = tl.minimum(num_compressed, topk)  # chosen entries come first in the index row
+    return num_window, num_window + num_compressed
+
+
+@triton.jit
 def _store_split(out_ptr, stride_ot, stride_oh, part_out_ptr, part_lse_ptr, m_i, l_i, acc, t, split,
                  num_splits, heads, head_mask, num_heads, HEAD_DIM: tl.constexpr):
     """The output (one split) or this split's normalised partial and log2-sum-exp."""
@@ -108,15 +122,7 @@ def _sparse_attention_kernel(
     split = tl.program_id(1)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
-    real = seq >= 0
-    num_window = tl.where(real, tl.minimum(pos + 1, window), 0)
-    if RATE > 0:
-        num_compressed = tl.where(real, (pos + 1) // RATE, 0)
-    else:
-        num_compressed = tl.zeros([], tl.int32)
-    if IS_CSA:
-        num_compressed = tl.minimum(num_compressed, topk)  # chosen entries come first in the index row
-    num_keys = num_window + num_compressed
+    num_window, num_keys = _key_counts(seq, pos, window, topk, RATE, IS_CSA)
     split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), num_splits) * BLOCK_N
     start = split * split_len
     end = tl.minimum(num_keys, start + split_len)
