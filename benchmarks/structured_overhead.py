@@ -7,7 +7,10 @@ its grammar along whatever the mask allows; the figure is the sampler's time
 per step (mask fill for every constrained row + one masked-logits op), which
 is what a step pays on top of an unconstrained one.
 
-    python benchmarks/structured_overhead.py [--device cuda] [--batch 32] [--steps 64]
+    python benchmarks/structured_overhead.py [--device cuda] [--batch 32] [--steps 64] [--tokenizer DIR]
+
+`--tokenizer DIR` reads the same SmolLM2 tokenizer from an HF directory
+(`benchmarks/make_dummy_model.py` writes one) where the embedded GGUF is not installed.
 """
 from __future__ import annotations
 
@@ -48,10 +51,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--tokenizer", default=None, help="HF directory with the SmolLM2 tokenizer")
     a = p.parse_args()
     from transformers import AutoTokenizer
-    path = embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    if a.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
+    else:
+        path = embedded_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     pool = GrammarCompilerPool(tokenizer, VOCAB, [2])
     t0 = time.perf_counter()
     spec = pool.compile("json_schema", SCHEMA)
