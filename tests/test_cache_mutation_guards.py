@@ -652,6 +652,62 @@ def test_a_hit_is_only_for_admission_and_only_while_fresh():
         kv.allocate_slots(b, 1, computed)
 
 
+def _sliding_hit_after_an_eviction(num_evicted: int):
+    """Window 4, 4 usable blocks, LRU. U's block (1) is cached and freed, then
+    A's 12 tokens take blocks 2-4, freed tail first: the queue is 1, 4, 3, 2.
+    B repeats A's tokens: its hit is [NULL, NULL, block 4] (a query at 12
+    reads keys 9..12). Then `num_evicted` blocks are reclaimed: 1 evicts U's
+    block only, 2 evicts block 4 too."""
+    kv = manager([SlidingWindowSpec(4)], 5, eviction_policy="lru")
+    u = request("u", list(range(500, 504)))
+    assert kv.allocate_slots(u, 4) and kv.get_block_ids("u") == [[1]]
+    kv.free(u)
+    a = request("a", list(range(12)))
+    assert kv.allocate_slots(a, 12) and kv.get_block_ids("a") == [[2, 3, 4]]
+    kv.free(a)
+    b = request("b", list(range(12)) + [50])
+    computed, hit = kv.get_computed_blocks(b)
+    assert hit == 12 and computed.block_ids() == [[0, 0, 4]]
+    assert kv.allocate_slots(request("x", list(range(900, 900 + 4 * num_evicted))), 4 * num_evicted)
+    assert kv.num_evictions == num_evicted
+    return kv, b, computed
+
+
+def test_a_hit_with_null_slots_survives_an_unrelated_eviction():
+    kv, b, computed = _sliding_hit_after_an_eviction(1)
+    assert kv.allocate_slots(b, 1, computed)
+    assert kv.get_block_ids("b") == [[0, 0, 4, 3]]  # the hit, then the LRU's next block
+    kv.check_integrity()
+
+
+def test_a_hit_block_evicted_behind_null_slots_is_stale():
+    kv, b, computed = _sliding_hit_after_an_eviction(2)
+    with pytest.raises(ValueError, match="stale prefix hit"):
+        kv.allocate_slots(b, 1, computed)
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize("spec", [FULL, SlidingWindowSpec(4), SlidingWindowSpec(6, sink=2)],
+                         ids=lambda s: s.describe())
+def test_can_allocate_answers_what_allocate_slots_does(spec):
+    """Every prompt length with every number of free blocks, then chunks of
+    1, 3 and 4 tokens: can_allocate is True exactly when allocate_slots
+    succeeds (and it changes nothing: allocate_slots runs right after)."""
+    for free in range(6):
+        for prompt in range(1, 17):
+            kv = manager([spec], 6, enable_prefix_caching=False)  # 5 usable
+            if free < 5:
+                filler = request("f", list(range(4 * (5 - free))))
+                assert kv.allocate_slots(filler, 4 * (5 - free))
+            r = request("r", list(range(100, 140)))
+            for num_new in (prompt, 1, 3, 4, 1):
+                expected = kv.can_allocate(r, num_new)
+                assert kv.allocate_slots(r, num_new) == expected, (free, prompt, num_new)
+                if not expected:
+                    break
+                r.num_computed_tokens += num_new
+
+
 # -- small figures ---------------------------------------------------------------------------
 
 def test_hashes_cover_known_full_blocks_only_and_extend_in_place():
