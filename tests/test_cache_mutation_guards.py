@@ -433,6 +433,12 @@ def _busy_manager(**kwargs) -> tuple[KVCacheManager, Request]:
     (lambda kv: kv.pool._num_children.clear(), "cached child counts disagree"),
     (lambda kv: kv._held.block_ids("a")[0].__setitem__(0, 7), "block-id mirror of 'a' in group 0"),
     (lambda kv: setattr(kv._held.fill, "used_slots", 11), "fragmentation counters disagree"),
+    # blocks 1, 2, 3 hold 4, 4, 2 tokens: swapping two fills keeps both totals
+    (lambda kv: kv._held.fill._fills.update({1: {2: 1}, 3: {4: 1}}), "fragmentation counters disagree"),
+    (lambda kv: setattr(kv._held.fill, "num_held", 4), "fragmentation counters disagree"),
+    # a table (of NULL only, so the pool agrees) with no mirror
+    (lambda kv: kv.managers[0].req_to_blocks.update({"ghost": [kv.pool.null_block]}),
+     r"block-id mirror of 'ghost' in group 0 is \[\]"),
 ])
 def test_integrity_check_catches(corrupt, message):
     kv, _ = _busy_manager(eviction_policy="lru")
