@@ -45,15 +45,6 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "max_position_embeddings": 131072, "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
-    # meta-llama/Llama-3.1-70B-Instruct shapes (for tensor-parallel benchmarks).
-    "llama3-70b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
-        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "max_position_embeddings": 131072, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -68,6 +59,10 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2,
         "tie_word_embeddings": False, "eos_token_id": 1},
 }
+# meta-llama/Llama-3.1-70B-Instruct shapes (tensor-parallel benchmarks): Llama-3.1-8B's
+# config with the 70B sizes.
+DUMMY_CONFIGS["llama3-70b"] = {**DUMMY_CONFIGS["llama3-8b"], "hidden_size": 8192, "intermediate_size": 28672,
+                               "num_hidden_layers": 80, "num_attention_heads": 64}
 
 
 @dataclass(frozen=True)
