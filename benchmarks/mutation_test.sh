@@ -21,6 +21,14 @@
 #
 #   MUTATION_SAMPLE=250 MUTATION_SEED=1 benchmarks/mutation_test.sh HEAD 'kvserve.cache.*'
 #
+# MUTATION_TESTS="tests/a.py tests/b.py" replaces the test selection in the
+# scratch copy: mutmut only runs, per mutant, the selected tests that reach the
+# mutated function, so naming every file that reaches a module's code scores
+# that module exactly as the full selection does, without the full selection's
+# stats run (the cache walks: minutes). The scheduler's code is reached only by
+#   tests/test_scheduler_unit.py tests/test_scheduling_policy.py
+#   tests/test_kv_cache_reference.py tests/test_kv_pressure_policy.py tests/test_cache_manager.py
+#
 # Prints mutmut's survivors and the score per module (killed / mutants; a
 # timeout counts as killed, "no tests" as survived).
 set -euo pipefail
@@ -35,6 +43,9 @@ if [ ! -f "$work/pyproject.toml" ]; then
 fi
 echo "mutation run of $(git -C "$repo" rev-parse --short "$commit") in $work"
 cd "$work"
+if [ -n "${MUTATION_TESTS:-}" ]; then
+  python "$here/mutation_select.py" pyproject.toml $MUTATION_TESTS
+fi
 mutmut_run() {
   OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 mutmut run --max-children 1 "$@" || true
 }
