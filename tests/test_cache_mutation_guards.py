@@ -598,6 +598,36 @@ def test_pool_and_queue_errors():
         FreeBlockQueue().remove(KVBlock(1))
 
 
+def test_a_block_taken_from_the_queue_is_not_in_it_any_more():
+    first, second = KVBlock(1), KVBlock(2)
+    queue = FreeBlockQueue([first, second])
+    assert queue.popleft() is first
+    with pytest.raises(ValueError, match=r"KVBlock\(id=1, ref=0, uncached\) is not in the free queue"):
+        queue.remove(first)
+    queue.remove(second)
+    with pytest.raises(ValueError, match=r"KVBlock\(id=2, ref=0, uncached\) is not in the free queue"):
+        queue.remove(second)
+    assert len(queue) == 0
+
+
+class ListQueue(list):
+    """The simplest eviction policy (a list): it can hold a block twice."""
+
+    def popleft(self):
+        return self.pop(0)
+
+    def update(self, block):
+        pass
+
+
+def test_a_block_twice_in_the_free_queue_is_caught():
+    pool = BlockPool(4, ListQueue())
+    pool.check_integrity({})
+    pool.free_queue.append(pool.blocks[2])
+    with pytest.raises(RuntimeError, match=r"KVBlock\(id=2, ref=0, uncached\) is in the free queue twice"):
+        pool.check_integrity({})
+
+
 def test_reuse_queue_errors_and_hot_fraction_range():
     for ok in (0.0, 1.0):
         assert ReuseAwareQueue(ok).hot_fraction == ok
