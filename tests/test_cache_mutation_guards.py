@@ -386,14 +386,21 @@ def test_full_host_tier_evicts_its_oldest_entry_and_fences_on_it():
     kv.check_integrity()
 
 
-def test_swap_round_trip_counts():
+def _swapped_out(num_tokens: int):
+    """Request "a" with `num_tokens` computed tokens, swapped out of an 8-block
+    pool into a 4-slot host tier: (host, kv, request, its GPU block ids)."""
     host = HostTier(4, block_bytes=10)
     kv = manager([FULL], 8, host_tier=host, enable_prefix_caching=False)
-    r = request("a", list(range(10)))
-    assert kv.allocate_slots(r, 10)
-    r.num_computed_tokens = 10
+    r = request("a", list(range(num_tokens)))
+    assert kv.allocate_slots(r, num_tokens)
+    r.num_computed_tokens = num_tokens
     ids = kv.get_block_ids("a")[0]
     kv.swap_out(r)
+    return host, kv, r, ids
+
+
+def test_swap_round_trip_counts():
+    host, kv, r, ids = _swapped_out(10)
     assert kv.num_free_blocks == 7 and host.num_swap_out_blocks == 3
     assert [c.gpu_block for c in kv.take_pending_copies().copies] == ids
     assert kv.host_metrics()["num_requests_swapped"] == 1 and kv.host_metrics()["kv_host_swap_outs"] == 1
@@ -471,12 +478,7 @@ def test_reuse_queue_block_in_the_wrong_list_is_caught(corrupt):
 
 
 def test_host_integrity_check_catches():
-    host = HostTier(4, block_bytes=10)
-    kv = manager([FULL], 8, host_tier=host, enable_prefix_caching=False)
-    r = request("a", list(range(8)))
-    assert kv.allocate_slots(r, 8)
-    r.num_computed_tokens = 8
-    kv.swap_out(r)
+    host, kv, r, _ = _swapped_out(8)
     kv.check_integrity()
     host._private.add(3)
     with pytest.raises(RuntimeError, match="host slot 3 is both free and private"):
@@ -496,12 +498,7 @@ def test_host_integrity_check_catches():
 
 
 def test_host_integrity_catches_a_swapped_request_holding_gpu_blocks_and_pins():
-    host = HostTier(4, block_bytes=10)
-    kv = manager([FULL], 8, host_tier=host, enable_prefix_caching=False)
-    r = request("a", list(range(8)))
-    assert kv.allocate_slots(r, 8)
-    r.num_computed_tokens = 8
-    kv.swap_out(r)
+    host, kv, r, _ = _swapped_out(8)
     assert kv.allocate_slots(request("a", [1, 2, 3]), 3)  # same id back on the GPU
     with pytest.raises(RuntimeError, match="swapped request 'a' also holds GPU blocks"):
         kv.check_integrity()
