@@ -95,7 +95,8 @@ def _score(logits: torch.Tensor, func: str) -> torch.Tensor:
 
 class Gate(nn.Module):
     """Router: learned scores; experts chosen by `tid2eid[token]` (hash layers)
-    or by top-k of scores + correction bias; weights renormalised and scaled."""
+    or by top-k of scores + correction bias; weights renormalised and scaled.
+    Tensor ops only: routing never reads back to the host."""
 
     def __init__(self, config: DeepseekV4Config, is_hash: bool) -> None:
         super().__init__()
@@ -119,7 +120,10 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked weights, one loop over the experts hit) + shared expert."""
+    """Routed experts (stacked weights) + shared expert. The routed experts run
+    as Triton grouped GEMMs (kernels/moe.py: no host sync, CUDA-graph safe) on
+    CUDA, or wherever `backend` is "triton" (the CPU under TRITON_INTERPRET=1);
+    elsewhere as a torch loop over the experts hit, the reference path."""
 
     def __init__(self, config: DeepseekV4Config, layer_idx: int) -> None:
         super().__init__()
@@ -130,12 +134,22 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, i))
         self.shared_experts = SwiGLU(h, i, config.swiglu_limit)  # as transformers: one expert wide
         self.limit = config.swiglu_limit
+        self.backend: str | None = None  # "triton", "torch"; None: "triton" on CUDA
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids)
+        if (self.backend or ("triton" if x.is_cuda else "torch")) == "triton":
+            from kvserve.model.deepseek_v4.kernels.moe import fused_moe
+            routed = fused_moe(x, self.w1, self.w3, self.w2, weights, indices, self.limit)
+        else:
+            routed = self.routed_reference(x, weights, indices)
+        return routed + self.shared_experts(x)
+
+    def routed_reference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The routed experts one expert at a time (reads the experts hit back to the host)."""
         out = torch.zeros_like(x)
         for expert in indices.unique().tolist():
             token, slot = torch.where(indices == expert)
             h = _clamped_glu(F.linear(x[token], self.w1[expert]), F.linear(x[token], self.w3[expert]), self.limit)
             out.index_add_(0, token, (F.linear(h, self.w2[expert]) * weights[token, slot, None]).to(x.dtype))
-        return out + self.shared_experts(x)
+        return out
