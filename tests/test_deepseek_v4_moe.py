@@ -2,10 +2,10 @@
 (kernels/moe.py) against the torch loop (`MoE.routed_reference`) and a
 brute-force float64 sum over every (token, slot) pair written here.
 
-On the CPU the kernels run at tiny shapes under TRITON_INTERPRET=1 in one
-subprocess (float32 and float16: the interpreter mangles bf16 dot operands),
-with NaN-poisoned scratch buffers so a row or tile left unwritten shows up;
-the routing prep is checked in-process. On a GPU (`gpu`): V4-Flash MoE dims
+On the CPU the kernels (routing and both GEMMs) run at tiny shapes under
+TRITON_INTERPRET=1 in one subprocess (float32 and float16: the interpreter
+mangles bf16 dot operands), with NaN-poisoned scratch buffers so a row or
+tile left unwritten shows up, and compile for sm_90 offline. On a GPU (`gpu`): V4-Flash MoE dims
 in bf16 against a float32 reference, CUDA-graph replay against eager, and a
 forward under `torch.cuda.set_sync_debug_mode("error")`.
 """
@@ -72,27 +72,29 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Gen
     return torch.rand(num_tokens, top_k, generator=gen) + 0.1, indices
 
 
-# ---- CPU: routing prep (plain torch) -----------------------------------------------------------
+# ---- CPU: what the interpreted checks assert, and the torch reference path ----------------------
 
 def check_tiles(tiles, indices: torch.Tensor, num_experts: int) -> None:
-    """Every pair sits in exactly one row of a tile of its own expert; used tiles come
-    first, unused ones are marked `num_experts`; every expert's rows start a tile."""
-    flat, bm = indices.flatten(), tiles.block_m
-    pair = tiles.pair.view(-1, bm)
-    assert sorted(tiles.pair[tiles.pair >= 0].tolist()) == list(range(flat.numel()))
-    used = tiles.expert < num_experts
-    assert used.sum() == used[:int(used.sum())].sum(), "an unused tile before a used one"
-    assert (pair[~used] == -1).all(), "a pair in an unused tile"
-    for tile, expert in enumerate(tiles.expert.tolist()):
+    """The used tiles come first (the rest are marked `num_experts`, their rows
+    never read); every pair sits in exactly one row of a used tile of its own
+    expert, in pair order; padding (-1) only ends an expert's last tile."""
+    flat, used = indices.flatten(), tiles.expert < num_experts
+    num_used = int(used.sum())
+    assert used[:num_used].all(), "an unused tile before a used one"
+    pair = tiles.pair.view(-1, tiles.block_m)[:num_used]
+    assert sorted(pair[pair >= 0].tolist()) == list(range(flat.numel()))
+    last = {}
+    for tile, expert in enumerate(tiles.expert[:num_used].tolist()):
         rows = pair[tile][pair[tile] >= 0]
-        assert (flat[rows.long()] == expert).all(), tile
-        if tile and expert < num_experts and tiles.expert[tile - 1] != expert:
-            assert (pair[tile - 1] >= 0).any(), "an empty tile inside the used ones"
+        assert len(rows) and (pair[tile][:len(rows)] == rows).all(), f"tile {tile}: padding before a row"
+        assert (flat[rows.long()] == expert).all(), f"tile {tile} holds another expert's pair"
+        assert (rows.diff() > 0).all() and rows[0] > last.get(expert, -1), f"tile {tile}: pairs out of order"
+        if expert in last:
+            assert (pair[tile - 1] >= 0).all(), f"tile {tile - 1}: padding inside expert {expert}'s rows"
+        last[expert] = int(rows[-1])
 
 
-@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m", [
-    (1, 2, 4, 16), (13, 2, 8, 16), (3, 2, 64, 16), (200, 6, 16, 32), (64, 6, 256, 16)])
-def test_route_groups_pairs_by_expert(num_tokens, top_k, num_experts, block_m):
+def check_route(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
     from kvserve.model.deepseek_v4.kernels.moe import max_tiles, route
     _, indices = random_routing(num_tokens, num_experts, top_k, torch.Generator().manual_seed(num_tokens))
     tiles = route(indices, num_experts, block_m)
@@ -100,7 +102,7 @@ def test_route_groups_pairs_by_expert(num_tokens, top_k, num_experts, block_m):
     check_tiles(tiles, indices, num_experts)
 
 
-def test_route_tile_bound_is_reached():
+def check_route_bound_reached() -> None:
     """Every expert one row past a full tile: all N // BLOCK_M + E tiles are used."""
     from kvserve.model.deepseek_v4.kernels.moe import route
     indices = torch.arange(4).repeat_interleave(17)[torch.randperm(68, generator=torch.Generator().manual_seed(1))]
@@ -192,6 +194,13 @@ def check_forward_without_host_reads() -> None:
 
 
 INTERPRETER_CASES = {
+    "route_one_token": lambda: check_route(1, 2, 4, 16),
+    "route_random": lambda: check_route(13, 2, 8, 16),
+    "route_most_experts_empty": lambda: check_route(3, 2, 64, 16),
+    "route_block32": lambda: check_route(200, 6, 16, 32),
+    "route_flash_decode_batch": lambda: check_route(64, 6, 256, 16),
+    "route_pairs_past_one_block": lambda: check_route(1000, 6, 8, 16),  # 6000 ids: two passes of 4096
+    "route_bound_reached": check_route_bound_reached,
     "fp32_random": lambda: check_kernel(21, 2, 4),
     "fp16_random": lambda: check_kernel(21, 2, 4, dtype=torch.float16),
     "fp32_top6_of_16_block32": lambda: check_kernel(40, 6, 16, block_m=32),
@@ -242,10 +251,10 @@ def test_kernel_under_interpreter(interpreted, case):
 
 
 def test_kernels_compile_for_sm90():
-    """Both kernels at V4-Flash MoE dims compile for sm_90 offline (Triton's bundled
+    """The kernels at V4-Flash MoE dims compile for sm_90 offline (Triton's bundled
     ptxas) with every tile config the launcher picks, bf16 and float32, within
     an H100/H200's shared memory."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     from kvserve.model.deepseek_v4.kernels import moe
     from tests.test_deepseek_v4_kernels import compile_for_sm90
     ints = frozenset({"hidden", "inter_size", "num_experts"})
@@ -254,6 +263,10 @@ def test_kernels_compile_for_sm90():
             cfg = moe.tile_config(num_pairs, 256, dtype)
             tiles = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                      "DOT_PRECISION": precision}
+            compile_for_sm90(moe._route_kernel, {"experts_ptr": "*i64", "pair_ptr": "*i32",
+                                                 "tile_expert_ptr": "*i32"},
+                             {"BLOCK_M": cfg.block_m, "BLOCK_P": min(4096, triton.next_power_of_2(num_pairs)),
+                              "BLOCK_E": 256}, 4, 1, ints | {"num_pairs", "num_tiles"})
             kernels = [(moe._gate_up_kernel, {"x_ptr": f"*{name}", "w1_ptr": f"*{name}", "w3_ptr": f"*{name}",
                                               "inter_ptr": f"*{name}"}, {"TOP_K": 6}),
                        (moe._down_kernel, {"inter_ptr": f"*{name}", "w2_ptr": f"*{name}",

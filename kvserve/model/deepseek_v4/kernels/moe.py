@@ -3,8 +3,8 @@ stacked expert weights (w1, w3: [E, I, H]; w2: [E, H, I]), with no host
 synchronisation: every shape and launch grid depends on T, k and E only, so
 a forward can be captured in a CUDA graph.
 
-`route` sorts the T*k (token, slot) pairs by expert on the device and lays
-them out in tiles of BLOCK_M rows, each expert's rows starting on a tile
+`route` (one launch) groups the T*k (token, slot) pairs by expert, in pair
+order, in tiles of BLOCK_M rows, each expert's rows starting on a tile
 boundary (padding rows hold pair -1). Each expert with rows adds at most one
 partly filled tile, so T*k // BLOCK_M + min(E, T*k) tiles always suffice;
 tiles past the last expert's rows exit at once. `_gate_up_kernel` multiplies
@@ -72,22 +72,53 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def route(indices: torch.Tensor, num_experts: int, block_m: int) -> ExpertTiles:
-    """Tiles of the pairs of `indices` [T, k] (expert ids), built with fixed-shape device ops."""
-    experts = indices.flatten()
-    device, num_pairs = experts.device, experts.numel()
-    sorted_experts, order = torch.sort(experts, stable=True)
-    # bincount would read its max back to the host; a search over the sorted ids does not.
-    starts = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device, dtype=experts.dtype))
-    padded = (starts[1:] - starts[:-1] + block_m - 1) // block_m * block_m
-    padded_ends = padded.cumsum(0)
-    rank = torch.arange(num_pairs, device=device) - starts.index_select(0, sorted_experts)
-    dest = (padded_ends - padded).index_select(0, sorted_experts) + rank
+    """Tiles of the pairs of `indices` [T, k] (expert ids), in one launch. Rows
+    of the unused tiles are left unwritten: the GEMMs never read them."""
+    num_pairs = indices.numel()
     num_tiles = max_tiles(num_pairs, num_experts, block_m)
-    pair = torch.full((num_tiles * block_m,), -1, dtype=torch.int32, device=device)
-    pair.scatter_(0, dest, order.to(torch.int32))
-    tile_starts = torch.arange(num_tiles, device=device) * block_m
-    expert = torch.searchsorted(padded_ends, tile_starts, right=True).to(torch.int32)
+    pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=indices.device)
+    expert = torch.empty(num_tiles, dtype=torch.int32, device=indices.device)
+    _route_kernel[(num_experts + 1,)](indices.contiguous(), pair, expert, num_pairs, num_tiles, num_experts,
+                                      BLOCK_M=block_m, BLOCK_P=min(4096, triton.next_power_of_2(num_pairs)),
+                                      BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
     return ExpertTiles(pair, expert, block_m)
+
+
+# Program e < E places expert e's pairs, in pair order (stable); program E marks
+# the unused tiles. Each counts every expert's pairs itself (a histogram of the
+# T*k ids, read from L2): no second launch to share the counts.
+@triton.jit
+def _route_kernel(experts_ptr, pair_ptr, tile_expert_ptr, num_pairs, num_tiles, num_experts,
+                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    e = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_P)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(experts_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=p0 + lanes < num_pairs)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    bins = tl.arange(0, BLOCK_E)
+    start = tl.sum(tl.where(bins < e, padded, 0))
+    if e == num_experts:
+        _fill_tiles(tile_expert_ptr, start // BLOCK_M, num_tiles, num_experts)
+        return
+    rank0 = 0
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(experts_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1)
+        hit = (ids == e).to(tl.int32)
+        tl.store(pair_ptr + start + rank0 + tl.cumsum(hit, 0) - 1, p0 + lanes, mask=hit != 0)
+        rank0 += tl.sum(hit)
+    rows = rank0 + tl.arange(0, BLOCK_M)
+    end = start + tl.sum(tl.where(bins == e, padded, 0))
+    tl.store(pair_ptr + start + rows, -1, mask=start + rows < end)
+    _fill_tiles(tile_expert_ptr, start // BLOCK_M, end // BLOCK_M, e)
+
+
+@triton.jit
+def _fill_tiles(tile_expert_ptr, first, end, value):
+    for t0 in range(first, end, 64):
+        tiles = t0 + tl.arange(0, 64)
+        tl.store(tile_expert_ptr + tiles, tl.full((64,), 0, tl.int32) + value, mask=tiles < end)
 
 
 @triton.jit
