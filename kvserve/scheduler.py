@@ -67,7 +67,7 @@ from kvserve.request import Request, RequestStatus
 PREFIX_WINDOW = 128
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -190,15 +190,15 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i, scheduled = 0, out.scheduled
-        while i < len(self.running) and budget > 0:  # hot loop: Request's properties inlined
-            request = self.running[i]
+        i, scheduled, running, allocate = 0, out.scheduled, self.running, self.kv_cache.allocate_slots
+        while i < len(running) and budget > 0:  # hot loop: Request's properties inlined
+            request = running[i]
             sampled = len(request.output_token_ids) + request.num_pending_tokens
             if sampled >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
                 i += 1
                 continue
             num_new = min(len(request.prompt_token_ids) + sampled - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+            if not allocate(request, num_new) and not self._allocate_or_preempt(request, num_new, out):
                 break  # `request` itself was preempted; everything after it too.
             scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
             budget -= num_new

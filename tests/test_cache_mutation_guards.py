@@ -419,6 +419,43 @@ def test_swap_round_trip_counts():
 
 # -- integrity checkers fail on what they guard -------------------------------------------
 
+# -- the decode fast path (moves within the tail block) ------------------------------------
+
+def test_a_decode_step_that_fills_the_tail_block_caches_it_at_once():
+    """Prompt of 6 (block size 4), two decode steps: the second fills block 2.
+    A request with the same 8 tokens then hits both blocks, before any later
+    step of the first (the request may finish right there)."""
+    kv = manager([FULL], 8)
+    a = request("a", [1, 2, 3, 4, 5, 6])
+    assert kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    for token in (7, 8):
+        a.output_token_ids.append(token)
+        assert kv.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    kv.check_integrity()
+    assert kv.fragmentation() == 0.0
+    _, num_hit = kv.get_computed_blocks(request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert num_hit == 8
+
+
+def test_the_decode_fast_path_refuses_an_end_outside_the_tail_block():
+    """End 10 (tail block 2 holds 2): an allocation back to 5 (block 1) or on
+    to 13 (a new block) is no move within the tail, and takes the slow path."""
+    kv = manager([FULL], 8)
+    a = request("a", list(range(10)))
+    assert kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    assert kv.allocate_slots(a, 3)  # end 13: block 3 is new
+    assert len(kv.get_block_ids("a")[0]) == 4
+    kv.check_integrity()
+    b = request("b", list(range(100, 110)))
+    assert kv.allocate_slots(b, 10)  # nothing computed yet: a retry of a smaller chunk moves the end back
+    assert kv.allocate_slots(b, 5)  # end 5, inside block 1 (fills 4, 1, 0): the fill counters follow
+    kv.check_integrity()
+    assert kv.fragmentation() == pytest.approx(1 - (13 + 5) / (4 * 4 + 3 * 4))
+
+
 def _busy_manager(**kwargs) -> tuple[KVCacheManager, Request]:
     kv = manager([FULL], 8, **kwargs)
     r = request("a", list(range(10)))
@@ -443,6 +480,9 @@ def _busy_manager(**kwargs) -> tuple[KVCacheManager, Request]:
     # blocks 1, 2, 3 hold 4, 4, 2 tokens: swapping two fills keeps both totals
     (lambda kv: kv._held.fill._fills.update({1: {2: 1}, 3: {4: 1}}), "fragmentation counters disagree"),
     (lambda kv: setattr(kv._held.fill, "num_held", 4), "fragmentation counters disagree"),
+    # the decode fast path's room ([9, 12]: the tail block 3) moved past the tail, or its counters stale
+    (lambda kv: kv._room.update({"a": (13, 16, kv._room["a"][2])}), r"room \[13, 16\] is not its tail block"),
+    (lambda kv: kv._room.update({"a": (9, 12, [{1: 1}])}), "fast-path tail counters are stale"),
     # a table (of NULL only, so the pool agrees) with no mirror
     (lambda kv: kv.managers[0].req_to_blocks.update({"ghost": [kv.pool.null_block]}),
      r"block-id mirror of 'ghost' in group 0 is \[\]"),

@@ -70,6 +70,13 @@ class BlockFill:
             self.remove(block_id, old_fill)
             self.add(block_id, new_fill)
 
+    def advance_sole_tails(self, tails: list[dict[int, int]], moved: int) -> None:
+        """Each of `tails` (a block's holders by fill, one holder) gains `moved` slots."""
+        for fills in tails:
+            slots, count = fills.popitem()
+            fills[slots + moved] = count
+        self.used_slots += moved * len(tails)
+
     def fragmentation(self) -> float:
         """Share of slots in held blocks that hold no token (0.0 when none is held)."""
         if not self.num_held:
@@ -124,6 +131,20 @@ class HeldTables:
             for index in range(start, min(stop, len(table))):
                 if table[index] != NULL_BLOCK_ID:
                     fill.move(table[index], fill.fill(index, old), fill.fill(index, end))
+
+    def sole_tails(self, request_id: str, index: int, slots: int) -> list[dict[int, int]] | None:
+        """The fill counters of entry `index` in each group (NULL entries
+        skipped) when this request alone holds each, with fill `slots`; else None."""
+        tails = []
+        for table in self._ids.get(request_id, ()):
+            if index >= len(table):
+                return None
+            if table[index] != NULL_BLOCK_ID:
+                fills = self.fill._fills.get(table[index])
+                if fills != {slots: 1}:
+                    return None
+                tails.append(fills)
+        return tails
 
     def drop_skipped(self, request_id: str, first_query_pos: int, end: int) -> None:
         """The entries each group is about to drop (`skippable_blocks`) become NULL."""

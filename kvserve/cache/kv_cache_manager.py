@@ -130,6 +130,9 @@ class KVCacheManager:
         self._num_tokens: dict[str, int] = {}
         # Block-id mirror and fill counters, updated where tables change.
         self._held = HeldTables(self.managers, block_size)
+        # Per request holding blocks: (first end, last end, tail fill counters) between
+        # which allocate_slots only moves the end inside the tail block (`_set_room`).
+        self._room: dict[str, tuple[int, int, list[dict[int, int]]]] = {}
 
     # ---- layout -------------------------------------------------------
     @property
@@ -255,13 +258,17 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        total = request.num_computed_tokens + num_new_tokens
+        if computed is None or computed.num_tokens == 0:
+            room = self._room.get(request.request_id)
+            if room is not None and room[0] <= total <= room[1]:
+                self._move_within_tail(request, total, room)
+                return True  # the common decode step: nothing to allocate or free
         hit = computed if computed is not None and computed.num_tokens > 0 else None
         if hit is not None:
             self._check_hit_usable(request, hit)
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         total = first_query_pos + num_new_tokens
-        if hit is None and self._fits_in_held_blocks(request, total):
-            return True  # the common decode step: nothing to allocate, free or cache
         if not self._can_allocate(request.request_id, hit, first_query_pos, total, reserve):
             return False
         self._apply_allocation(request.request_id, hit, first_query_pos, total)
@@ -270,6 +277,7 @@ class KVCacheManager:
             self.num_swap_ins += 1
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, total)
+        self._set_room(request.request_id, total)
         return True
 
     def can_allocate(self, request: Request, num_new_tokens: int,
@@ -282,21 +290,31 @@ class KVCacheManager:
         return self._can_allocate(request.request_id, hit, first_query_pos,
                                   first_query_pos + num_new_tokens, reserve)
 
-    def _fits_in_held_blocks(self, request: Request, total: int) -> bool:
-        """True when every group already covers `total` tokens, no sliding group
-        would drop a block, and no block becomes full: then allocation is a no-op.
-        Checked first because it is what most decode steps are (hot path)."""
-        if self._drops_blocks or total % self.block_size == 0:
-            return False
-        blocks_needed = -(-total // self.block_size)
-        known_full = request.num_known_tokens // self.block_size if self.enable_prefix_caching else 0
-        rid = request.request_id
-        for m in self.managers:
-            if len(m.blocks(rid)) < blocks_needed or m.num_cached_blocks.get(rid, 0) < known_full:
-                return False
-        self._held.move_end(rid, self._num_tokens[rid], total)
-        self._num_tokens[rid] = total
-        return True
+    def _set_room(self, request_id: str, end: int) -> None:
+        """Remember how far the request's end can move with nothing to do but
+        move it (and cache the tail once it is full): within its tail block
+        (past it a block must be allocated: slow path), where every group's tail
+        is held by this request alone (true of a partly filled block: only full
+        blocks are shared), and never in a model whose groups drop blocks as
+        queries move. Checked first because it is what most decode steps are
+        (hot path)."""
+        index, slots = divmod(end, self.block_size)
+        tails = self._held.sole_tails(request_id, index, slots)
+        if self._drops_blocks or slots == 0 or tails is None:
+            self._room.pop(request_id, None)
+        else:
+            self._room[request_id] = (index * self.block_size + 1, (index + 1) * self.block_size, tails)
+
+    def _move_within_tail(self, request: Request, total: int, room: tuple) -> None:
+        request_id = request.request_id
+        moved = total - self._num_tokens[request_id]
+        if moved:
+            self._held.fill.advance_sole_tails(room[2], moved)
+            self._num_tokens[request_id] = total
+        if total == room[1]:  # the tail is full: cached now, the next token needs a new block
+            del self._room[request_id]
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(request, total)
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
                       first_query_pos: int, total: int, reserve: int = 0) -> bool:
@@ -398,6 +416,7 @@ class KVCacheManager:
             self.host_tier.release_private(swapped.slots())
 
     def _free_gpu(self, request_id: str) -> None:
+        self._room.pop(request_id, None)
         self._held.forget(request_id, self._num_tokens.get(request_id, 0))
         for manager in self.managers:
             manager.free(request_id)
@@ -535,7 +554,18 @@ class KVCacheManager:
             raise RuntimeError("the NULL block was referenced or cached")
         self.pool.check_integrity(refs)
         self._held.check(self._num_tokens)
+        self._check_room()
         self._check_host_integrity()
+
+    def _check_room(self) -> None:
+        for request_id, (first, last, tails) in self._room.items():
+            end, size = self._num_tokens.get(request_id), self.block_size
+            if end is None or not first <= end < last or (first - 1) // size != (last - 1) // size \
+                    or last % size != 0:
+                raise RuntimeError(f"request {request_id!r}: fast-path room [{first}, {last}] is not "
+                                   f"its tail block (end {end})")
+            if tails != self._held.sole_tails(request_id, *divmod(end, self.block_size)):
+                raise RuntimeError(f"request {request_id!r}: fast-path tail counters are stale")
 
     def _check_host_integrity(self) -> None:
         host = self.host_tier
