@@ -2,27 +2,36 @@
 512, one K=V head; indexer 64 heads x 128, top-512; window 128; CSA rate 4,
 HCA rate 128; bf16 pages), against the device's measured copy bandwidth.
 
-    python benchmarks/v4_kernel_bench.py [--batches 1 64 256] [--contexts 4096 32768 131072]
-                                         [--block-size 16] [--no-sweeps]
+    python benchmarks/v4_kernel_bench.py [--quick] [--batches 1 64 256] [--contexts 4096 32768 131072]
+                                         [--block-size 16] [--no-extras]
 
-Prints, after the copy bandwidth (a torch copy of 4 GiB: bytes read + written
-per second, kvserve.bench.kernels):
-  * CSA decode (one token per sequence at `context`): index scores, top-k and
-    sparse attention, each and in sum, and GB/s over the bytes a CSA decode
-    must read (every visible indexer key, the 512 chosen entries, the 128
-    window keys) as a share of the copy bandwidth;
-  * HCA decode attention (window + every visible entry) and its GB/s;
-  * sweeps: split count and tile shape of the attention, at 32K;
-  * the compressor at decode (every token closing a window) and over an
-    8,192-token prefill chunk, and the indexer over that chunk.
+Per decode shape (one token per sequence at `context`), each variant is
+first checked against a torch reference on the same pages (attention: the
+gathered window + chosen keys through v4_torch_ref.sink_attention; scores:
+v4_torch_ref.index_scores on a few rows; top-k: v4_torch_ref.top_k_mask on
+the kernel's own scores, exact); a variant that mismatches or fails to
+compile is reported, not timed. Then:
+  * the sparse decode path (index scores + top-k + CSA attention) with the
+    old configs (the previous defaults) and the kernels' current defaults;
+  * a grid per kernel: attention (inline / planned / prefetch rows, BLOCK_N,
+    num_warps, num_stages, heads per program, splits), scores (tile, waves,
+    warps, stages), top-k (radix bits, warps, tile);
+  * HCA decode attention, old and default;
+  * GB/s over the bytes the path must read (every visible indexer key, the
+    512 chosen entries, the 128 window keys) and the share of a device copy
+    (torch copy of 4 GiB, bytes read + written, measured in the same run).
+Last: a markdown table of the best config per shape and kernel, and the path
+with those (edit DECODE_CONFIGS / SCORE_CONFIG / TOP_K_CONFIG from it).
 Timings: triton.testing.do_bench medians (L2 flushed between runs). The pages
-hold one layer of each kind in blocks sized for the largest page of the run
-(batch 256 x 128K: 38 GB), as the engine's storage would hold them.
+hold one layer of each kind in blocks sized for the largest page of the run.
+With --no-extras the compressor and prefill-chunk indexer timings are skipped.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -31,13 +40,16 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvserve.attention import v4_torch_ref as ref  # noqa: E402
 from kvserve.bench.kernels import copy_bandwidth_gbs  # noqa: E402
 from kvserve.cache.v4_specs import V4KVLayout  # noqa: E402
 from kvserve.model.deepseek_v4 import kernels  # noqa: E402
 from kvserve.model.deepseek_v4.kernels import PageRef, SparseAttentionConfig, V4PagedBatch  # noqa: E402
+from kvserve.model.deepseek_v4.kernels.indexer import ScoreConfig, TopKConfig  # noqa: E402
 
 D, DI, H, HI, TOPK, WINDOW, CSA_RATE, HCA_RATE, ROPE = 512, 128, 64, 64, 512, 128, 4, 128, 64
 DTYPE, DEVICE, ELEM = torch.bfloat16, "cuda", 2
+ATTN_TOL, SCORE_TOL = 1e-2, 1e-3
 
 
 def _ms(fn) -> float:
@@ -81,21 +93,99 @@ class DecodePages:
         self.indices = torch.empty(batch, TOPK, dtype=torch.int32, device=DEVICE)
         self.out = torch.empty_like(self.q)
 
-    def index_scores(self) -> None:
-        kernels.index_scores(self.q_index, self.weights, self.csa, D, self.batch, CSA_RATE, self.scores)
+    def index_scores(self, config: ScoreConfig | None = None) -> None:
+        kernels.index_scores(self.q_index, self.weights, self.csa, D, self.batch, CSA_RATE, self.scores, config)
 
-    def top_k(self) -> None:
-        kernels.top_k_indices(self.scores, self.batch, CSA_RATE, TOPK, self.indices)
+    def top_k(self, config: TopKConfig | None = None) -> None:
+        kernels.top_k_indices(self.scores, self.batch, CSA_RATE, TOPK, self.indices, config)
 
-    def attend(self, kind: str, config: SparseAttentionConfig = SparseAttentionConfig()) -> None:
+    def attend(self, kind: str, config: SparseAttentionConfig | None = None) -> None:
         entries, indices, rate = (self.csa, self.indices, CSA_RATE) if kind == "csa" else (self.hca, None, HCA_RATE)
         kernels.sparse_attention(self.q, self.sliding, entries, indices, self.sinks, D ** -0.5, WINDOW, rate,
                                  self.batch, self.out, config)
 
-    def csa_step(self) -> None:
-        self.index_scores()
-        self.top_k()
-        self.attend("csa")
+    def csa_step(self, configs: "PathConfigs") -> None:
+        self.index_scores(configs.scores)
+        self.top_k(configs.top_k)
+        self.attend("csa", configs.attention)
+
+
+class Reference:
+    """Torch references on the pages: rows gathered from the block tables."""
+
+    def __init__(self, pages: DecodePages, context: int) -> None:
+        self.pages, self.context = pages, context
+        self.flat = pages.storage.view(-1)
+        self.unit = pages.storage.stride(0)
+        pos = context - 1
+        window = torch.arange(max(0, pos - WINDOW + 1), pos + 1, device=DEVICE)
+        self.window_rows = self._rows(pages.sliding, window // pages.batch.block_size,
+                                      window % pages.batch.block_size)  # [batch, window]
+
+    def _rows(self, page: PageRef, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Storage offsets [batch, n] of (table slot, row) pairs [n] or [batch, n]."""
+        slots, rows = slots.expand(page.table.shape[0], -1), rows.expand(page.table.shape[0], -1)
+        blocks = torch.gather(page.table, 1, slots.long()).long()
+        return blocks * self.unit + page.offset + rows.long() * page.width
+
+    def _entry_rows(self, page: PageRef, entries: torch.Tensor, rate: int) -> torch.Tensor:
+        B = self.pages.batch.block_size
+        return self._rows(page, ((entries + 1) * rate - 1) // B, entries % max(1, B // rate))
+
+    def _gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        return self.flat[rows[..., None] + torch.arange(width, device=DEVICE)].float()
+
+    def attention(self, kind: str) -> torch.Tensor:
+        p = self.pages
+        if kind == "csa":
+            entries = p.indices.long().clamp(min=0)
+            rows, chosen = self._entry_rows(p.csa, entries, CSA_RATE), p.indices >= 0
+        else:
+            count = self.context // HCA_RATE
+            rows = self._entry_rows(p.hca, torch.arange(count, device=DEVICE)[None, :], HCA_RATE)
+            chosen = torch.ones_like(rows, dtype=torch.bool)
+        rows = torch.cat([self.window_rows, rows], 1)
+        mask = torch.cat([torch.ones_like(self.window_rows, dtype=torch.bool), chosen], 1)
+        out = torch.empty(p.q.shape, dtype=torch.float32, device=DEVICE)
+        for t in range(p.q.shape[0]):
+            keys = self._gather(rows[t], D)
+            out[t] = ref.sink_attention(p.q[t:t + 1].float(), keys, mask[t:t + 1], p.sinks, D ** -0.5)[0]
+        return out
+
+    def scores(self, tokens: list[int]) -> torch.Tensor:
+        p, count = self.pages, self.context // CSA_RATE
+        rows = self._entry_rows(p.csa, torch.arange(count, device=DEVICE)[None, :], CSA_RATE)
+        return torch.stack([ref.index_scores(p.q_index[t:t + 1].float(), self._gather(rows[t] + D, DI),
+                                             p.weights[t:t + 1])[0] for t in tokens])
+
+    def top_k(self) -> list[list[int]]:
+        p, count = self.pages, self.context // CSA_RATE
+        visible = torch.ones(p.scores.shape[0], count, dtype=torch.bool, device=DEVICE)
+        chosen = ref.top_k_mask(p.scores[:, :count], visible, TOPK)
+        return [row.nonzero().flatten().tolist() for row in chosen]
+
+
+def describe(config) -> str:
+    """A config by its fields that differ from the defaults ("default": the kernel's table)."""
+    if config is None:
+        return "default"
+    changed = [f"{f.name}={getattr(config, f.name)}" for f in fields(config)
+               if getattr(config, f.name) != f.default]
+    return f"{type(config).__name__}({', '.join(changed)})"
+
+
+def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest per-token ||out - ref|| / ||ref|| (NaN: inf)."""
+    dims = tuple(range(1, out.dim()))
+    err = (out.float() - expected).norm(dim=dims) / expected.norm(dim=dims)
+    return float(err.nan_to_num(float("inf")).max())
+
+
+@dataclass(frozen=True)
+class PathConfigs:
+    scores: ScoreConfig | None = None
+    top_k: TopKConfig | None = None
+    attention: SparseAttentionConfig | None = None
 
 
 def csa_bytes(batch: int, context: int, with_indexer: bool = True) -> int:
@@ -104,39 +194,151 @@ def csa_bytes(batch: int, context: int, with_indexer: bool = True) -> int:
     return batch * ELEM * (keys + (min(entries, TOPK) + min(context, WINDOW)) * D)
 
 
+def score_bytes(batch: int, context: int) -> int:
+    return batch * ELEM * (context // CSA_RATE) * DI
+
+
 def hca_bytes(batch: int, context: int) -> int:
     return batch * ELEM * (context // HCA_RATE + min(context, WINDOW)) * D
 
 
 def _rate(nbytes: int, ms: float, copy_gbs: float) -> str:
     gbs = nbytes / ms / 1e6
-    return f"{gbs:8.0f} GB/s {100 * gbs / copy_gbs:6.1f}% of copy"
+    return f"{gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.1f}%"
 
 
-def bench_decode(batch: int, context: int, block_size: int, copy_gbs: float) -> DecodePages:
-    pages = DecodePages(batch, context, block_size)
-    pages.csa_step()  # indices for the attention-only timing
-    scores, top_k = _ms(pages.index_scores), _ms(pages.top_k)
-    attend, total = _ms(lambda: pages.attend("csa")), _ms(pages.csa_step)
-    tag = f"bs={batch:4d} ctx={context:7d} B={block_size}"
-    print(f"CSA decode {tag}  scores {1e3 * scores:8.1f} us  top-k {1e3 * top_k:7.1f} us  "
-          f"attn {1e3 * attend:7.1f} us  total {1e3 * total:8.1f} us  {_rate(csa_bytes(batch, context), total, copy_gbs)}")
-    print(f"    scores alone {_rate(batch * ELEM * (context // CSA_RATE) * DI, scores, copy_gbs)};  "
-          f"attention alone {_rate(csa_bytes(batch, context, False), attend, copy_gbs)}")
-    hca = _ms(lambda: pages.attend("hca"))
-    print(f"HCA decode {tag}  attn {1e3 * hca:8.1f} us  {_rate(hca_bytes(batch, context), hca, copy_gbs)}")
-    return pages
+def old_attention(batch: int, context: int, kind: str) -> SparseAttentionConfig:
+    """The previous default: inline rows, splits for half a wave of 132 SMs, >= 128 keys a split."""
+    keys = min(context, WINDOW) + (min(context // CSA_RATE, TOPK) if kind == "csa" else context // HCA_RATE)
+    splits = max(1, min(triton.cdiv(66, batch), keys // 128, triton.cdiv(keys, 32), 32))
+    return SparseAttentionConfig(num_splits=splits)
 
 
-def sweep_attention(pages: DecodePages, batch: int, context: int, copy_gbs: float) -> None:
-    configs = [SparseAttentionConfig(num_splits=n) for n in (1, 2, 4, 8)] + [
-        SparseAttentionConfig(block_n=16, num_stages=3), SparseAttentionConfig(block_n=64),
-        SparseAttentionConfig(num_stages=3)]
-    for config in configs:
-        ms = _ms(lambda: pages.attend("csa", config))
-        print(f"  sweep CSA attn bs={batch} ctx={context} n={config.block_n} warps={config.num_warps} "
-              f"stages={config.num_stages} splits={config.num_splits}  {1e3 * ms:8.1f} us  "
-              f"{_rate(csa_bytes(batch, context, False), ms, copy_gbs)}")
+OLD_TOP_K = TopKConfig()  # the previous top-k (8-bit passes), except that a one-tile row now stays in registers
+
+
+def attention_grid(batch: int, quick: bool) -> list[SparseAttentionConfig]:
+    planned = SparseAttentionConfig(planned=True)
+    shapes = [SparseAttentionConfig(), SparseAttentionConfig(num_stages=3), planned, replace(planned, num_stages=3),
+              replace(planned, block_n=64), replace(planned, block_n=16, num_stages=3),
+              replace(planned, prefetch=True, num_stages=1), replace(planned, prefetch=True, num_stages=1, block_n=16),
+              replace(planned, block_h=32, num_warps=4, block_n=16, num_stages=3, programs_per_sm=2),
+              replace(planned, block_h=32, num_warps=4, num_stages=2, programs_per_sm=2),
+              replace(planned, block_h=32, num_warps=8, num_stages=3),
+              replace(planned, block_h=16, num_warps=4, block_n=16, num_stages=3, programs_per_sm=3)]
+    if quick:
+        shapes = shapes[:1] + shapes[3:4] + shapes[6:7] + shapes[8:9]
+    splits = {1: (None, 5, 10, 20), 64: (None, 1, 2, 4)}.get(batch, (None, 1, 2))
+    return [replace(c, num_splits=n) for c in shapes for n in splits]
+
+
+def score_grid(quick: bool) -> list[ScoreConfig]:
+    grid = [ScoreConfig(), ScoreConfig(num_stages=4), ScoreConfig(block_e=128), ScoreConfig(block_e=128, num_warps=8),
+            ScoreConfig(block_e=128, num_stages=4), ScoreConfig(waves=8), ScoreConfig(block_e=32, num_stages=4),
+            ScoreConfig(waves=2, block_e=128, num_stages=4)]
+    return grid[:3] if quick else grid
+
+
+def top_k_grid(quick: bool) -> list[TopKConfig]:
+    grid = [TopKConfig(), TopKConfig(radix_bits=4), TopKConfig(num_warps=4), TopKConfig(radix_bits=4, num_warps=4),
+            TopKConfig(num_warps=8), TopKConfig(radix_bits=4, num_warps=16), TopKConfig(max_tile=32768),
+            TopKConfig(radix_bits=4, max_tile=32768), TopKConfig(max_tile=1024)]
+    return grid[:4] if quick else grid
+
+
+class Shape:
+    """One decode shape: references, checked timings, best configs."""
+
+    def __init__(self, batch: int, context: int, block_size: int, copy_gbs: float) -> None:
+        self.batch, self.context, self.copy_gbs = batch, context, copy_gbs
+        self.tag = f"bs={batch} ctx={context // 1024}K"
+        self.pages = DecodePages(batch, context, block_size)
+        self.ref = Reference(self.pages, context)
+        self.best: dict[str, tuple[float, object]] = {}
+
+    def _time(self, kernel: str, config, run, check, nbytes: int) -> float | None:
+        """Check (fresh poisoned output), then time; print one line."""
+        try:
+            bad = check(run)
+        except Exception as exc:  # a config the compiler rejects (e.g. shared memory) is reported
+            print(f"  {self.tag:16s} {kernel:9s} FAILED {type(exc).__name__}: {str(exc)[:120]}  {describe(config)}")
+            return None
+        if bad:
+            print(f"  {self.tag:16s} {kernel:9s} MISMATCH {bad}  {describe(config)}")
+            return None
+        ms = _ms(run)
+        print(f"  {self.tag:16s} {kernel:9s} {1e3 * ms:8.1f} us {_rate(nbytes, ms, self.copy_gbs)}  {describe(config)}")
+        if kernel not in self.best or ms < self.best[kernel][0]:
+            self.best[kernel] = (ms, config)
+        return ms
+
+    def check_scores(self, run) -> str | None:
+        self.pages.scores.fill_(float("nan"))
+        run()
+        count, tokens = self.context // CSA_RATE, sorted({0, self.batch // 2, self.batch - 1})
+        err = _rel_err(self.pages.scores[tokens, :count], self.ref.scores(tokens))
+        return None if err < SCORE_TOL else f"rel err {err:.2e}"
+
+    def check_top_k(self, run) -> str | None:
+        self.pages.indices.fill_(12345)
+        run()
+        count = min(TOPK, self.context // CSA_RATE)
+        for t, want in enumerate(self.ref.top_k()):
+            got = self.pages.indices[t].tolist()
+            if got != want + [-1] * (TOPK - len(want)):
+                return f"token {t}: {sum(a != b for a, b in zip(got, want))} of {count} indices differ"
+        return None
+
+    def check_attention(self, kind: str, run) -> str | None:
+        if not hasattr(self, f"ref_{kind}"):
+            setattr(self, f"ref_{kind}", self.ref.attention(kind))
+        self.pages.out.fill_(float("nan"))
+        run()
+        err = _rel_err(self.pages.out, getattr(self, f"ref_{kind}"))
+        return None if err < ATTN_TOL else f"rel err {err:.2e}"
+
+
+def bench_shape(shape: Shape, quick: bool) -> dict:
+    """Every variant of every kernel on one shape; returns the path timings."""
+    p, b, c = shape.pages, shape.batch, shape.context
+    p.index_scores()  # the real scores and indices first: the checks of later kernels read them
+    p.top_k()
+    for config in score_grid(quick):
+        shape._time("scores", config, lambda: p.index_scores(config), shape.check_scores, score_bytes(b, c))
+    p.index_scores()
+    for config in top_k_grid(quick):
+        shape._time("top-k", config, lambda: p.top_k(config), shape.check_top_k, 0)
+    p.top_k()
+    attend_bytes = csa_bytes(b, c, False)
+    for config in [old_attention(b, c, "csa"), None] + attention_grid(b, quick):
+        shape._time("attention", config, lambda: p.attend("csa", config),
+                    lambda run: shape.check_attention("csa", run), attend_bytes)
+    for config in (old_attention(b, c, "hca"), None):
+        shape._time("hca", config, lambda: p.attend("hca", config), lambda run: shape.check_attention("hca", run),
+                    hca_bytes(b, c))
+    shape.best.pop("hca", None)
+    paths = {"old": PathConfigs(ScoreConfig(), OLD_TOP_K, old_attention(b, c, "csa")),
+             "default": PathConfigs(),
+             "best": PathConfigs(*(shape.best.get(k, (0, None))[1] for k in ("scores", "top-k", "attention")))}
+    timings = {}
+    for name, configs in paths.items():
+        ms = _ms(lambda: p.csa_step(configs))
+        timings[name] = ms
+        print(f"  {shape.tag:16s} path {name:7s} {1e3 * ms:8.1f} us {_rate(csa_bytes(b, c), ms, shape.copy_gbs)}")
+    return timings
+
+
+def best_table(rows: list[tuple[Shape, dict]], copy_gbs: float) -> None:
+    print("\n| shape | scores (best) | top-k (best) | attention (best) | path old | path default | path best |")
+    print("|---|---|---|---|---|---|---|")
+    for shape, paths in rows:
+        cells = []
+        for kernel in ("scores", "top-k", "attention"):
+            ms, config = shape.best.get(kernel, (float("nan"), None))
+            cells.append(f"{1e3 * ms:.1f} us `{describe(config)}`")
+        total = csa_bytes(shape.batch, shape.context)
+        cells += [f"{1e3 * ms:.1f} us, {100 * total / ms / 1e6 / copy_gbs:.1f}% of copy" for ms in paths.values()]
+        print(f"| {shape.tag} | " + " | ".join(cells) + " |")
 
 
 class CompressPages:
@@ -213,26 +415,37 @@ def bench_prefill_chunk(chunk: int, context: int, block_size: int, copy_gbs: flo
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--contexts", type=int, nargs="+", default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--no-sweeps", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="32K only, batch 64 and 256, a few variants each")
+    parser.add_argument("--no-extras", action="store_true", help="skip the compressor and prefill-chunk timings")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--prefill-context", type=int, default=32768)
     args = parser.parse_args(argv)
+    batches = args.batches or ([64, 256] if args.quick else [1, 64, 256])
+    contexts = args.contexts or ([32768] if args.quick else [4096, 32768, 131072])
     torch.manual_seed(0)
+    started = time.time()
     copy_gbs = copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}\ncopy bandwidth (D2D, read+write): {copy_gbs:.0f} GB/s")
-    for context in args.contexts:
-        for batch in args.batches:
-            pages = bench_decode(batch, context, args.block_size, copy_gbs)
-            if not args.no_sweeps and context == 32768 and batch in (1, 64):
-                sweep_attention(pages, batch, context, copy_gbs)
-            del pages
+    print("columns: shape, kernel, median us, GB/s over the kernel's minimum bytes (top-k: none), % of copy, config")
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            shape = Shape(batch, context, args.block_size, copy_gbs)
+            rows.append((shape, bench_shape(shape, args.quick)))
+            shape.pages = shape.ref = None
+            for kind in ("csa", "hca"):
+                shape.__dict__.pop(f"ref_{kind}", None)
             torch.cuda.empty_cache()
-    for batch in (64, 256):
-        bench_compressor(batch, args.block_size, copy_gbs)
-    bench_prefill_chunk(args.prefill_chunk, args.prefill_context, args.block_size, copy_gbs)
+            print(f"  ({time.time() - started:.0f} s)", flush=True)
+    if not args.no_extras:
+        for batch in (64, 256):
+            bench_compressor(batch, args.block_size, copy_gbs)
+        bench_prefill_chunk(args.prefill_chunk, args.prefill_context, args.block_size, copy_gbs)
+    best_table(rows, copy_gbs)
+    print(f"({time.time() - started:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -284,6 +284,11 @@ def check_indexer(seqs, block_size: int, dtype: torch.dtype, device: str, seed: 
     return worst
 
 
+def top_k_config(**fields):
+    from kvserve.model.deepseek_v4.kernels.indexer import TopKConfig
+    return TopKConfig(**fields)
+
+
 def check_top_k_rows(indices: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor, k: int) -> None:
     """Rows of `indices`: the top_k_mask choice, ascending, then -1."""
     chosen = ref.top_k_mask(scores.float().nan_to_num(0.0), visible, k)
@@ -292,7 +297,7 @@ def check_top_k_rows(indices: torch.Tensor, scores: torch.Tensor, visible: torch
         assert row.tolist() == want + [-1] * (k - len(want)), (row.tolist(), want)
 
 
-def check_top_k_ties(block_size: int, device: str, seed: int) -> None:
+def check_top_k_ties(block_size: int, device: str, seed: int, top_k=None) -> None:
     """top_k_indices alone on scores full of exact ties (few distinct values,
     0.0 next to -0.0, negatives): the earlier entry wins, as the stable sort."""
     from kvserve.model.deepseek_v4 import kernels
@@ -303,7 +308,7 @@ def check_top_k_ties(block_size: int, device: str, seed: int) -> None:
     values = torch.tensor([0.0, -0.0, 1.5, -2.0, 1.5, 3.0])
     scores = values[torch.randint(0, len(values), (T, case.batch.max_seq_len // rate), generator=gen)].to(device)
     out = torch.full((T, 5), 777, dtype=torch.int32, device=device)
-    kernels.top_k_indices(scores, case.batch, rate, 5, out)
+    kernels.top_k_indices(scores, case.batch, rate, 5, out, top_k)
     positions = case.batch.positions
     visible = ref.visible_entries(positions, scores.shape[1], rate)
     check_top_k_rows(out, scores, visible, 5)
@@ -313,9 +318,10 @@ def check_top_k_ties(block_size: int, device: str, seed: int) -> None:
 
 def check_attention(kind: str, seqs, block_size: int, dtype: torch.dtype, device: str, seed: int,
                     shape: str = "tiny", num_splits: int | None = None, hca_rate: int = 8, block_n: int = 32,
-                    **overrides) -> float:
+                    variant: dict | None = None, **overrides) -> float:
     """sparse_attention against v4_torch_ref.sink_attention over the window keys
-    plus the chosen (CSA: random choices) or all visible (HCA) entries."""
+    plus the chosen (CSA: random choices) or all visible (HCA) entries.
+    `variant`: further SparseAttentionConfig fields (planned, prefetch, block_h)."""
     from kvserve.model.deepseek_v4 import kernels
     gen = torch.Generator().manual_seed(seed)
     config = v4_config(shape, hca_rate, **overrides)
@@ -333,7 +339,7 @@ def check_attention(kind: str, seqs, block_size: int, dtype: torch.dtype, device
     indices = _random_choices(batch.positions.cpu(), rate, config.index_topk, gen).to(device) if kind == CSA else None
     out = torch.full_like(q, float("nan"))
     entries = batch.page(f"{prefix}_entries", layer) if prefix else None
-    cfg = kernels.SparseAttentionConfig(block_n=block_n, num_splits=num_splits)
+    cfg = kernels.SparseAttentionConfig(block_n=block_n, num_splits=num_splits, **(variant or {}))
     kernels.sparse_attention(q, batch.page("sliding", layer), entries, indices, sinks, config.head_dim ** -0.5,
                              config.sliding_window, rate, batch, out, cfg)
     expected = torch.cat([_attention_reference(case, s, layer, prefix, rate, q, sinks, indices)
@@ -487,16 +493,39 @@ def interpreter_checks() -> None:
             err = check_attention(kind, CPU_SEQS, block_size, dtype, "cpu", seed)
             assert err < tol, ("attention", kind, block_size, dtype, err)
     check_top_k_ties(16, "cpu", 1)
+    check_top_k_ties(16, "cpu", 2, top_k_config(radix_bits=4))
     for num_splits in (2, 5):  # split-KV: the sink in split 0, empty splits merge as nothing
         err = check_attention(HCA, CPU_HCA128, 16, torch.float32, "cpu", num_splits, num_splits=num_splits,
                               hca_rate=128, block_n=16, sliding_window=64)
         assert err < TOL[torch.float32], ("split attention", num_splits, err)
+    planned_attention_checks()
     chunks = [(5, 11, 1), (7, 2, 1), (1, 9, 1), (1, 1, 1)]  # steps x sequences
     import kvserve.model.deepseek_v4.kernels.indexer as indexer
     indexer.SCORE_BUFFER_BYTES = 100  # a few tokens' score rows per slice: the slicing of long chunks
     err = check_layer_steps((CSA, HCA, SLIDING), chunks, 16, torch.float32, "cpu", 3)
     assert err < TOL[torch.float32], ("layer steps", err)
     check_engine_backends_agree()
+
+
+# The decode variants: key rows planned first; with prefetch the loop loads tiles
+# ahead itself; block_h 16 of the flash heads splits them into groups.
+ATTENTION_VARIANTS = [{"planned": True}, {"planned": True, "prefetch": True}]
+
+
+def planned_attention_checks() -> None:
+    """The planned variants over split counts that do not divide the tiles, splits
+    past every valid key, CSA rows with unchosen (-1) slots, and a batch of one."""
+    for variant in ATTENTION_VARIANTS:
+        for kind, splits in ((CSA, 1), (CSA, 3), (HCA, 5), (SLIDING, 2)):
+            err = check_attention(kind, CPU_SEQS, 16, torch.float32, "cpu", splits, num_splits=splits, block_n=16,
+                                  variant=variant)
+            assert err < TOL[torch.float32], ("planned attention", variant, kind, splits, err)
+        err = check_attention(HCA, CPU_HCA128[:1], 16, torch.float32, "cpu", 7, num_splits=7, hca_rate=128,
+                              block_n=16, sliding_window=64, variant=variant)
+        assert err < TOL[torch.float32], ("planned attention, batch 1", variant, err)
+    err = check_attention(CSA, CPU_SEQS, 32, torch.float16, "cpu", 4, num_splits=4, block_n=16,
+                          variant={"planned": True, "block_h": 16}, num_attention_heads=32)
+    assert err < TOL[torch.float16], ("head groups", err)
 
 
 def check_engine_backends_agree() -> None:
@@ -551,21 +580,32 @@ def test_kernels_compile_for_sm90():
     import importlib
     attention, indexer, compressor, pages = (importlib.import_module(f"kvserve.model.deepseek_v4.kernels.{m}")
                                              for m in ("sparse_attention", "indexer", "compressor", "pages"))
-    ints = frozenset({"window", "topk", "num_splits", "num_heads", "k", "chunk"})
+    ints = frozenset({"window", "topk", "num_splits", "num_heads", "k", "chunk", "plan_width"})
     common = {"seq_idx_ptr": "*i32", "pos_ptr": "*i64", "storage_ptr": "*bf16"}
     attn_ptrs = common | {"q_ptr": "*bf16", "out_ptr": "*bf16", "sliding_table": "*i32", "entry_table": "*i32",
-                          "index_ptr": "*i32", "sink_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+                          "index_ptr": "*i32", "sink_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                          "plan_ptr": "*i64"}
+    variants = [attention.PREFILL_CONFIG] + [config for _, config in attention.DECODE_CONFIGS]
     for rate, csa in ((4, True), (0, False)):  # (HCA: the CSA kernel without the index row)
-        compiled = compile_for_sm90(attention._sparse_attention_kernel, attn_ptrs, {
-            "RATE": rate, "PAGE_SIZE": 16, "HEAD_DIM": 512, "BLOCK_H": 64, "BLOCK_N": 32, "IS_CSA": csa,
-            "DOT_PRECISION": "tf32"}, 8, 2, ints, frozenset({"qk_scale"}))
-        assert compiled.metadata.shared <= 227 * 1024
+        for config in variants:
+            compiled = compile_for_sm90(attention._sparse_attention_kernel, attn_ptrs, {
+                "RATE": rate, "PAGE_SIZE": 16, "HEAD_DIM": 512, "BLOCK_H": config.block_h or 64,
+                "BLOCK_N": config.block_n, "IS_CSA": csa, "DOT_PRECISION": "tf32", "PLANNED": config.planned,
+                "PREFETCH": config.prefetch, "ROW_ALIGN": 16}, config.num_warps, config.num_stages, ints,
+                frozenset({"qk_scale"}))
+            assert compiled.metadata.shared <= 227 * 1024
+        compile_for_sm90(attention._key_plan_kernel, {k: v for k, v in attn_ptrs.items() if "table" in k or k in (
+            "index_ptr", "seq_idx_ptr", "pos_ptr", "plan_ptr")}, {"RATE": rate, "PAGE_SIZE": 16, "IS_CSA": csa,
+                                                                 "ROW_ALIGN": 16, "BLOCK": attention.PLAN_BLOCK}, 4,
+                         1, ints)
     compile_for_sm90(indexer._index_scores_kernel, common | {"q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32",
                                                              "scores_ptr": "*fp32"},
                      {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64,
                       "DOT_PRECISION": "tf32"}, 4, 3, ints, frozenset({"scale"}))
     compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
-                                             "pos_ptr": "*i64"}, {"RATE": 4, "BLOCK": 8192, "BLOCK_K": 512}, 8)
+                                             "pos_ptr": "*i64"},
+                     {"RATE": 4, "BLOCK": 8192, "BLOCK_K": 512, "BITS": indexer.TOP_K_CONFIG.radix_bits,
+                      "ONE_TILE": True}, 8)
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {
             "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
@@ -638,6 +678,21 @@ def test_indexer_gpu(block_size):
 @pytest.mark.gpu
 def test_top_k_ties_gpu():
     check_top_k_ties(16, "cuda", 0)
+    check_top_k_ties(16, "cuda", 1, top_k_config(radix_bits=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [{"max_tile": 1024}, {"radix_bits": 4}, {"radix_bits": 4, "num_warps": 4}])
+def test_top_k_configs_gpu(fields):
+    """Rows of several tiles (re-read each pass) and 4-bit passes against top_k_mask."""
+    from kvserve.model.deepseek_v4 import kernels
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.tensor([70000, 9000, 2047, 4095, 30000])
+    case = PagedCase(v4_config("flash"), [(int(p), 1) for p in positions], 64, BF16, "cuda", gen)
+    scores = torch.randn(len(positions), 70001 // 4, generator=gen).round(decimals=1).to("cuda")  # with ties
+    out = torch.full((len(positions), 512), 777, dtype=torch.int32, device="cuda")
+    kernels.top_k_indices(scores, case.batch, 4, 512, out, top_k_config(**fields))
+    check_top_k_rows(out, scores, ref.visible_entries(case.batch.positions, scores.shape[1], 4), 512)
 
 
 @pytest.mark.gpu
@@ -650,11 +705,13 @@ def test_attention_gpu(kind, block_size, seqs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}] + ATTENTION_VARIANTS + [{"planned": True, "block_h": 32, "num_warps": 4}],
+                         ids=["inline", "planned", "prefetch", "heads32"])
 @pytest.mark.parametrize("num_splits", [1, 3, 7, 32])
 @pytest.mark.parametrize("kind", [CSA, HCA])
-def test_attention_fixed_splits_gpu(kind, num_splits):
+def test_attention_fixed_splits_gpu(kind, num_splits, variant):
     err = check_attention(kind, GPU_DECODES, 16, BF16, "cuda", num_splits, shape="flash", hca_rate=128,
-                          num_splits=num_splits)
+                          num_splits=num_splits, variant=variant)
     assert err < TOL[BF16]
 
 

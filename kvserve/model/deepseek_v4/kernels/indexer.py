@@ -7,12 +7,15 @@ One program scores one token's chunk of entries, all indexer heads as the
 rows of one tl.dot, so each key is read once per token.
 
 Top-k: an exact radix select per token over the order-preserving uint32 keys
-of the float scores (8 bits per pass, at most four passes) finds the k-th
-largest score T; the chosen entries are those above T plus the earliest ones
+of the float scores (`TopKConfig.radix_bits` per pass: a histogram of that
+many bits' bins; a row of one tile stays in registers across the passes)
+finds the k-th largest score T; the chosen entries are those above T plus the earliest ones
 equal to T, as the stable sort of `v4_torch_ref.top_k_mask` chooses. Indices are
 written in ascending entry order, -1 after them; every row is fully written.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,10 +24,37 @@ import triton.language as tl
 from kvserve.attention.kernels.common import dot_precision
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry_rows, sm_count
 
-SCORE_BLOCK_E = 64       # keys per score tile
-SCORE_WAVES = 4          # score programs: about this many waves over the SMs
-TOPK_MAX_TILE = 16384    # scores per top-k tile (a row up to this long is one tile)
 SCORE_BUFFER_BYTES = 256 << 20  # score rows scored per launch pair, at most (one row: one token)
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    block_e: int = 64        # keys per score tile
+    waves: int = 4           # score programs: about this many waves over the SMs
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block_e < 16 or self.block_e & (self.block_e - 1) or min(self.waves, self.num_stages) < 1:
+            raise ValueError(f"ScoreConfig needs a power-of-two block_e >= 16 and waves, num_stages >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    radix_bits: int = 8      # bits a radix pass resolves (BINS = 2**bits histogram bins)
+    max_tile: int = 16384    # scores per tile: a row up to this long is one tile, read once into registers
+    num_warps: int | None = None  # None: a warp per 1,024 scores of the tile, 4 to 16
+
+    def __post_init__(self) -> None:
+        if self.radix_bits not in (2, 4, 8) or self.max_tile < 1024 or self.max_tile & (self.max_tile - 1):
+            raise ValueError(f"TopKConfig needs radix_bits in (2, 4, 8) and a power-of-two max_tile >= 1024, "
+                             f"got {self}")
+
+
+# The configs the kernels run when the caller passes none (edit from
+# benchmarks/v4_kernel_bench.py's "best config" table).
+SCORE_CONFIG = ScoreConfig()
+TOP_K_CONFIG = TopKConfig()
 
 
 @triton.jit(do_not_specialize=["stride_table"])
@@ -67,10 +97,10 @@ def _sortable(scores):
 
 
 @triton.jit
-def _pick_digit(hist, want):
-    """The 8-bit digit holding the want-th largest key, how many keys of the
+def _pick_digit(hist, want, BINS: tl.constexpr):
+    """The digit holding the want-th largest key, how many keys of the
     current prefix lie above that digit, and how many hold it."""
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, BINS)
     at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
     digit = tl.max(tl.where(at_or_above >= want, bins, -1), 0)
     above = tl.sum(tl.where(bins > digit, hist, 0), 0)
@@ -78,35 +108,49 @@ def _pick_digit(hist, want):
 
 
 @triton.jit
-def _radix_threshold(score_row, num_entries, k, BLOCK: tl.constexpr):
+def _row_keys(score_row, e0, num_entries, BLOCK: tl.constexpr):
+    """(sortable keys, validity) of the scores e0 .. e0 + BLOCK of a row."""
+    e = e0 + tl.arange(0, BLOCK)
+    valid = e < num_entries
+    return _sortable(tl.load(score_row + e, mask=valid, other=0.0)), valid
+
+
+@triton.jit
+def _radix_threshold(score_row, num_entries, k, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                     ONE_TILE: tl.constexpr):
     """(T, high, n): the top k are the keys whose bits under `high` exceed T,
-    then the first n whose bits under `high` equal T. Passes stop once the
-    bin holding the k-th key is taken whole (with distinct scores, usually
-    before the last byte)."""
+    then the first n whose bits under `high` equal T. Passes of BITS bits stop
+    once the bin holding the k-th key is taken whole (with distinct scores,
+    usually before the last digit). ONE_TILE: the row fits one tile, loaded once."""
+    BINS: tl.constexpr = 1 << BITS
     prefix = tl.zeros([], tl.uint32)
     high = tl.zeros([], tl.uint32)  # bits of the key fixed so far
     want = k
     done = k <= 0
-    for shift in tl.static_range(24, -8, -8):
+    if ONE_TILE:
+        key, valid = _row_keys(score_row, 0, num_entries, BLOCK)
+    for shift in tl.static_range(32 - BITS, -BITS, -BITS):
         if not done:
-            hist = tl.zeros([256], tl.int32)
-            for e0 in range(0, num_entries, BLOCK):
-                e = e0 + tl.arange(0, BLOCK)
-                valid = e < num_entries
-                key = _sortable(tl.load(score_row + e, mask=valid, other=0.0))
+            if ONE_TILE:
                 match = valid & ((key & high) == prefix)
-                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-            digit, above, in_bin = _pick_digit(hist, want)
+                hist = tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
+            else:
+                hist = tl.zeros([BINS], tl.int32)
+                for e0 in range(0, num_entries, BLOCK):
+                    tile, in_row = _row_keys(score_row, e0, num_entries, BLOCK)
+                    match = in_row & ((tile & high) == prefix)
+                    hist += tl.histogram(((tile >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
+            digit, above, in_bin = _pick_digit(hist, want, BINS)
             want -= above
             prefix |= digit.to(tl.uint32) << shift
-            high |= tl.full([], 255, tl.uint32) << shift
+            high |= tl.full([], BINS - 1, tl.uint32) << shift
             done = want == in_bin
     return prefix, high, want
 
 
 @triton.jit
 def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, RATE: tl.constexpr,
-                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -118,13 +162,13 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
             tl.store(out_row + j, tl.where(j < num_entries, j, -1).to(tl.int32), mask=j < k)
         return
     score_row = scores_ptr + t.to(tl.int64) * stride_st
-    threshold, high, num_equal = _radix_threshold(score_row, num_entries, k, BLOCK)
+    threshold, high, num_equal = _radix_threshold(score_row, num_entries, k, BLOCK, BITS, ONE_TILE)
     taken = tl.zeros([], tl.int32)
     equal_before = tl.zeros([], tl.int32)
     for e0 in range(0, num_entries, BLOCK):
         e = e0 + tl.arange(0, BLOCK)
-        valid = e < num_entries
-        key = _sortable(tl.load(score_row + e, mask=valid, other=0.0)) & high
+        key, valid = _row_keys(score_row, e0, num_entries, BLOCK)
+        key &= high
         equal = (valid & (key == threshold)).to(tl.int32)
         equal_rank = equal_before + tl.cumsum(equal, 0) - 1
         chosen = (valid & (key > threshold)) | ((equal == 1) & (equal_rank < num_equal))
@@ -134,15 +178,15 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
         equal_before += tl.sum(equal, 0)
 
 
-def _score_chunk(num_tokens: int, max_entries: int, device: torch.device) -> int:
-    """Entries per score program: enough programs for SCORE_WAVES waves."""
-    wanted = max(1, SCORE_WAVES * sm_count(device) // max(num_tokens, 1))
-    tiles = triton.cdiv(triton.cdiv(max_entries, wanted), SCORE_BLOCK_E)
-    return max(1, tiles) * SCORE_BLOCK_E
+def _score_chunk(num_tokens: int, max_entries: int, device: torch.device, config: ScoreConfig) -> int:
+    """Entries per score program: enough programs for `config.waves` waves."""
+    wanted = max(1, config.waves * sm_count(device) // max(num_tokens, 1))
+    tiles = triton.cdiv(triton.cdiv(max_entries, wanted), config.block_e)
+    return max(1, tiles) * config.block_e
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
-                 rate: int, scores: torch.Tensor) -> torch.Tensor:
+                 rate: int, scores: torch.Tensor, config: ScoreConfig | None = None) -> torch.Tensor:
     """scores[t, e] for e < (p_t + 1) // rate (the rest of each row is not written).
 
     q [T, H, d] (rope applied), weights [T, H] float32 (the head weights with
@@ -156,30 +200,34 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col:
         raise ValueError(f"the Triton indexer needs a power-of-two index_head_dim >= 16, got {head_dim}")
     if num_tokens == 0 or max_entries == 0:
         return scores
-    chunk = _score_chunk(num_tokens, max_entries, q.device)
+    config = config if config is not None else SCORE_CONFIG
+    chunk = _score_chunk(num_tokens, max_entries, q.device, config)
     grid = (num_tokens, triton.cdiv(max_entries, chunk))
     _index_scores_kernel[grid](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), batch.storage, batch.storage.stride(0),
         keys.offset + key_col, keys.width, keys.table, keys.table.stride(0), scores, scores.stride(0),
         batch.seq_idx, batch.positions, num_heads, chunk, head_dim ** -0.5, RATE=rate, PAGE_SIZE=batch.block_size,
-        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_E=SCORE_BLOCK_E,
-        DOT_PRECISION=dot_precision(batch.storage.dtype), num_warps=4, num_stages=3)
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_E=config.block_e,
+        DOT_PRECISION=dot_precision(batch.storage.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
     return scores
 
 
-def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int,
-                  out: torch.Tensor) -> torch.Tensor:
+def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, out: torch.Tensor,
+                  config: TopKConfig | None = None) -> torch.Tensor:
     """out[t, :k]: token t's k best visible entries in ascending order, then -1."""
     if out.shape[0] < batch.num_tokens or out.shape[1] < k or out.dtype != torch.int32:
         raise ValueError(f"top-k index buffer must be int32 with >= ({batch.num_tokens}, {k}) entries, got "
                          f"{out.dtype} {tuple(out.shape)}")
     if batch.num_tokens == 0:
         return out
+    config = config if config is not None else TOP_K_CONFIG
     max_entries = max(1, batch.max_seq_len // rate)
-    block = min(TOPK_MAX_TILE, max(1024, triton.next_power_of_2(max_entries)))
+    block = min(config.max_tile, max(1024, triton.next_power_of_2(max_entries)))
+    num_warps = config.num_warps or max(4, min(16, block // 1024))
     _top_k_kernel[(batch.num_tokens,)](
         scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, RATE=rate, BLOCK=block,
-        BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=max(4, min(16, block // 1024)))
+        BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits, ONE_TILE=block >= max_entries,
+        num_warps=num_warps)
     return out
 
 

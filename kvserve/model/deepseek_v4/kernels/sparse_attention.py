@@ -11,9 +11,17 @@ keys first, then compressed ones; split-KV divides that range over
 normalised partial and its log2-sum-exp, merged by a reduce. Split 0 carries
 the sink (a logit with a zero value row), so no split is ever empty of
 weight and padding tokens (sequence -1) come out as zeros.
+
+Decode (few tokens, bounded key lists) takes the planned path: a small
+kernel first resolves every key's storage row (index row -> block table ->
+row), so the attention loop's only dependent load is one row number per
+key and the key tiles stream through the software pipeline; computed
+inline, the two dependent lookups sat between each tile and the next
+(measured: ~5 us a 32-key tile at one program per SM).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +34,8 @@ from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry
 LOG2E = 1.4426950408889634
 _LOG2E_IN_KERNEL = tl.constexpr(LOG2E)
 MAX_SPLITS = 32
+PLAN_BLOCK = 256               # key rows resolved per plan program
+PLAN_MAX_SLOTS = 1 << 22       # tokens x keys of the planned path (a 32 MB plan); longer batches: rows inline
 
 
 @dataclass(frozen=True)
@@ -33,24 +43,66 @@ class SparseAttentionConfig:
     block_n: int = 32        # keys per tile
     num_warps: int = 8       # 64 heads x 512 dims of fp32 accumulator: 128 registers a thread at 8 warps
     num_stages: int = 2
-    # Split-KV aims at this many programs per SM. A split costs a partial
-    # write + read (heads x head_dim x 8 bytes per token), so splits are
-    # kept for launches that would leave most SMs idle.
-    waves: float = 0.5
-    min_split_keys: int = 128  # never split below this many keys
-    num_splits: int | None = None  # fixed split count (bench sweeps); None = the heuristic
+    # Query heads a program holds (None: all). Fewer heads: a smaller accumulator
+    # and more programs, each key row read once per head group (from L2 after the first).
+    block_h: int | None = None
+    # Split-KV: the split count minimises waves x (tiles per split + split_cost),
+    # a wave being num_sms x programs_per_sm programs. A split costs a partial
+    # write + read (heads x head_dim x 8 bytes per token), about `split_cost` tiles.
+    programs_per_sm: int = 1  # the [64 x 512] fp32 accumulator takes the register file
+    split_cost: float = 2.0
+    num_splits: int | None = None  # fixed split count (bench sweeps); None = the cost model
+    planned: bool = False          # key rows resolved by the plan kernel first (decode)
+    # Planned only: key tiles loaded one tile ahead into registers by the loop
+    # itself (num_stages 1) instead of by the compiler's software pipeline.
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps", "block_h"):
+            value = getattr(self, name) or 16
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SparseAttentionConfig.{name} must be a power of two, got {value}")
+        if min(self.block_n, self.block_h or 16) < 16:
+            raise ValueError(f"SparseAttentionConfig.block_n and block_h must be >= 16 (dot operands), got "
+                             f"{self.block_n}, {self.block_h}")
+        if self.num_stages < 1 or self.programs_per_sm < 1 or self.split_cost < 0:
+            raise ValueError(f"SparseAttentionConfig needs num_stages >= 1, programs_per_sm >= 1 and "
+                             f"split_cost >= 0, got {self.num_stages}, {self.programs_per_sm}, {self.split_cost}")
+        if self.prefetch and not self.planned:
+            raise ValueError("SparseAttentionConfig.prefetch reads the key plan: it needs planned=True")
+        if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"SparseAttentionConfig.num_splits must be in [1, {MAX_SPLITS}], got {self.num_splits}")
 
 
-def plan_splits(num_tokens: int, max_keys: int, num_sms: int, config: SparseAttentionConfig) -> int:
-    """Programs per token: enough to cover `waves` x SMs, no split shorter
-    than `min_split_keys` at the longest key list."""
+# The configs the kernel runs when the caller passes none: (tokens up to, config),
+# first match wins. Edit from `benchmarks/v4_kernel_bench.py`'s "best config" table.
+PREFILL_CONFIG = SparseAttentionConfig()
+DECODE_CONFIGS = (
+    (1 << 30, SparseAttentionConfig(num_stages=3, planned=True)),
+)
+
+
+def default_config(num_tokens: int, max_keys: int) -> SparseAttentionConfig:
+    """The planned decode config while its plan stays small, else the prefill one."""
+    if num_tokens * max_keys > PLAN_MAX_SLOTS:
+        return PREFILL_CONFIG
+    return next(config for bound, config in DECODE_CONFIGS if num_tokens <= bound)
+
+
+def plan_splits(num_tokens: int, max_keys: int, num_sms: int, config: SparseAttentionConfig,
+                head_groups: int = 1) -> int:
+    """Splits per token (and head group): the count with the least modelled
+    time, waves of programs x tiles each (ties: fewer splits)."""
     tiles = max(1, triton.cdiv(max_keys, config.block_n))
+    limit = max(1, min(tiles, MAX_SPLITS))
     if config.num_splits is not None:
-        wanted = config.num_splits
-    else:
-        wanted = triton.cdiv(max(1, int(config.waves * num_sms)), max(num_tokens, 1))
-        wanted = min(wanted, max(1, max_keys // config.min_split_keys))
-    return max(1, min(wanted, tiles, MAX_SPLITS))
+        return min(config.num_splits, limit)
+    slots = num_sms * config.programs_per_sm
+
+    def cost(splits: int) -> float:
+        waves = triton.cdiv(max(num_tokens, 1) * head_groups * splits, slots)
+        return waves * (triton.cdiv(tiles, splits) + (config.split_cost if splits > 1 else 0.0))
+    return min(range(1, limit + 1), key=lambda s: (cost(s), s))
 
 
 @triton.jit
@@ -92,6 +144,49 @@ def _key_counts(seq, pos, window, topk, RATE: tl.constexpr, IS_CSA: tl.constexpr
     return num_window, num_window + num_compressed
 
 
+@triton.jit(do_not_specialize=["sliding_stride_table", "entry_stride_table", "topk", "window", "plan_width"])
+def _key_plan_kernel(
+        unit, sliding_offset, sliding_width, sliding_table, sliding_stride_table,
+        entry_offset, entry_width, entry_table, entry_stride_table,
+        index_ptr, stride_it, seq_idx_ptr, pos_ptr, window, topk, plan_ptr, plan_width,
+        RATE: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_CSA: tl.constexpr, ROW_ALIGN: tl.constexpr,
+        BLOCK: tl.constexpr):
+    """plan[t, j]: key j's storage offset / ROW_ALIGN, -1 past the token's keys
+    (or a CSA slot without a choice). Every slot < plan_width is written."""
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seq = tl.load(seq_idx_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int32)
+    num_window, num_keys = _key_counts(seq, pos, window, topk, RATE, IS_CSA)
+    row = tl.maximum(seq, 0).to(tl.int64)
+    rows, valid = _key_rows(j, num_keys, num_window, pos, unit, sliding_table + row * sliding_stride_table,
+                            sliding_offset, sliding_width, entry_table + row * entry_stride_table, entry_offset,
+                            entry_width, index_ptr + t.to(tl.int64) * stride_it, RATE, PAGE_SIZE, IS_CSA)
+    tl.store(plan_ptr + t.to(tl.int64) * plan_width + j, tl.where(valid, rows // ROW_ALIGN, -1),
+             mask=j < plan_width)
+
+
+@triton.jit
+def _planned_rows(plan_row_ptr, j, end, ROW_ALIGN: tl.constexpr):
+    """The plan's storage offsets (multiples of ROW_ALIGN: 16-byte key loads) of keys j < end."""
+    unit_rows = tl.load(plan_row_ptr + j, mask=j < end, other=-1)
+    valid = unit_rows >= 0
+    return tl.maximum(unit_rows, 0) * ROW_ALIGN, valid
+
+
+@triton.jit
+def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over the key tile k (K = V), invalid keys masked."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _store_split(out_ptr, stride_ot, stride_oh, part_out_ptr, part_lse_ptr, m_i, l_i, acc, t, split,
                  num_splits, heads, head_mask, num_heads, HEAD_DIM: tl.constexpr):
@@ -109,15 +204,17 @@ def _store_split(out_ptr, stride_ot, stride_oh, part_out_ptr, part_lse_ptr, m_i,
         tl.store(part_lse_ptr + part_row, lse, mask=head_mask)
 
 
-@triton.jit(do_not_specialize=["sliding_stride_table", "entry_stride_table", "num_splits", "topk", "window"])
+@triton.jit(do_not_specialize=["sliding_stride_table", "entry_stride_table", "num_splits", "topk", "window",
+                               "plan_width"])
 def _sparse_attention_kernel(
         q_ptr, stride_qt, stride_qh, storage_ptr, unit,
         sliding_offset, sliding_width, sliding_table, sliding_stride_table,
         entry_offset, entry_width, entry_table, entry_stride_table,
         index_ptr, stride_it, sink_ptr, seq_idx_ptr, pos_ptr, qk_scale, window, topk,
-        out_ptr, stride_ot, stride_oh, part_out_ptr, part_lse_ptr, num_splits, num_heads,
+        out_ptr, stride_ot, stride_oh, part_out_ptr, part_lse_ptr, num_splits, num_heads, plan_ptr, plan_width,
         RATE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr, IS_CSA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, IS_CSA: tl.constexpr, DOT_PRECISION: tl.constexpr, PLANNED: tl.constexpr,
+        PREFETCH: tl.constexpr, ROW_ALIGN: tl.constexpr):
     t = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.load(seq_idx_ptr + t)
@@ -127,7 +224,7 @@ def _sparse_attention_kernel(
     start = split * split_len
     end = tl.minimum(num_keys, start + split_len)
 
-    heads = tl.arange(0, BLOCK_H)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
@@ -142,19 +239,29 @@ def _sparse_attention_kernel(
     sliding_row_ptr = sliding_table + row * sliding_stride_table
     entry_row_ptr = entry_table + row * entry_stride_table
     index_row_ptr = index_ptr + t.to(tl.int64) * stride_it
-    for j0 in range(start, end, BLOCK_N):
-        rows, valid = _key_rows(j0 + tl.arange(0, BLOCK_N), end, num_window, pos, unit, sliding_row_ptr,
-                                sliding_offset, sliding_width, entry_row_ptr, entry_offset, entry_width,
-                                index_row_ptr, RATE, PAGE_SIZE, IS_CSA)
-        k = tl.load(storage_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
-        m_i = m_new
+    plan_row_ptr = plan_ptr + t.to(tl.int64) * plan_width
+    if PREFETCH:  # planned rows two tiles ahead, key tiles one tile ahead, in registers
+        rows, valid = _planned_rows(plan_row_ptr, start + tl.arange(0, BLOCK_N), end, ROW_ALIGN)
+        k_next = tl.load(storage_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        rows, valid_next = _planned_rows(plan_row_ptr, start + BLOCK_N + tl.arange(0, BLOCK_N), end, ROW_ALIGN)
+        for j0 in range(start, end, BLOCK_N):
+            k = k_next
+            k_next = tl.load(storage_ptr + rows[:, None] + dims[None, :], mask=valid_next[:, None], other=0.0)
+            rows, valid_after = _planned_rows(plan_row_ptr, j0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N), end,
+                                              ROW_ALIGN)
+            m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            valid, valid_next = valid_next, valid_after
+    else:
+        for j0 in range(start, end, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            if PLANNED:
+                rows, valid = _planned_rows(plan_row_ptr, j, end, ROW_ALIGN)
+            else:
+                rows, valid = _key_rows(j, end, num_window, pos, unit, sliding_row_ptr, sliding_offset,
+                                        sliding_width, entry_row_ptr, entry_offset, entry_width, index_row_ptr, RATE,
+                                        PAGE_SIZE, IS_CSA)
+            k = tl.load(storage_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     _store_split(out_ptr, stride_ot, stride_oh, part_out_ptr, part_lse_ptr, m_i, l_i, acc, t, split,
                  num_splits, heads, head_mask, num_heads, HEAD_DIM)
 
@@ -181,14 +288,32 @@ def _max_keys(batch: V4PagedBatch, window: int, rate: int, topk: int | None) -> 
     return min(window, batch.max_seq_len) + (min(entries, topk) if topk is not None else entries)
 
 
+def _row_align(*offsets: int) -> int:
+    """The largest power of two up to 16 dividing every storage offset term."""
+    return math.gcd(16, *offsets)
+
+
+def _plan(sliding: PageRef, pages: PageRef, index: torch.Tensor, batch: V4PagedBatch, window: int, topk: int,
+          rate: int, max_keys: int, row_align: int, is_csa: bool) -> torch.Tensor:
+    """[T, max_keys] int64: every key's storage offset / row_align (-1: none)."""
+    plan = torch.empty(batch.num_tokens, max_keys, dtype=torch.int64, device=batch.storage.device)
+    _key_plan_kernel[(batch.num_tokens, triton.cdiv(max_keys, PLAN_BLOCK))](
+        batch.storage.stride(0), sliding.offset, sliding.width, sliding.table, sliding.table.stride(0),
+        pages.offset, pages.width, pages.table, pages.table.stride(0), index, index.stride(0), batch.seq_idx,
+        batch.positions, window, topk, plan, max_keys, RATE=rate, PAGE_SIZE=batch.block_size, IS_CSA=is_csa,
+        ROW_ALIGN=row_align, BLOCK=PLAN_BLOCK, num_warps=4)
+    return plan
+
+
 def sparse_attention(q: torch.Tensor, sliding: PageRef, entries: PageRef | None, indices: torch.Tensor | None,
                      sinks: torch.Tensor, scale: float, window: int, rate: int, batch: V4PagedBatch,
-                     out: torch.Tensor, config: SparseAttentionConfig = SparseAttentionConfig()) -> torch.Tensor:
+                     out: torch.Tensor, config: SparseAttentionConfig | None = None) -> torch.Tensor:
     """out [T, H, D] = attention of q [T, H, D] over each token's window keys
     (sliding pages) and compressed entries (entry pages, first D columns of a
     row): all visible ones, or with `indices` [T, >= topk] int32 (CSA) the
     chosen ones, listed first in each row with -1 after them. `rate` 0 and
-    no `entries`: a sliding-only layer. sinks [H] float32."""
+    no `entries`: a sliding-only layer. sinks [H] float32. `config` None:
+    `default_config`."""
     num_tokens, num_heads, head_dim = q.shape
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"the Triton V4 attention needs a power-of-two head_dim >= 16, got {head_dim}")
@@ -197,22 +322,30 @@ def sparse_attention(q: torch.Tensor, sliding: PageRef, entries: PageRef | None,
     if num_tokens == 0:
         return out
     topk = indices.shape[1] if indices is not None else None
-    num_splits = plan_splits(num_tokens, _max_keys(batch, window, rate, topk), sm_count(q.device), config)
+    max_keys = max(1, _max_keys(batch, window, rate, topk))
+    config = config if config is not None else default_config(num_tokens, max_keys)
+    block_h = config.block_h or max(16, triton.next_power_of_2(num_heads))
+    head_groups = triton.cdiv(num_heads, block_h)
+    num_splits = plan_splits(num_tokens, max_keys, sm_count(q.device), config, head_groups)
     part_shape = (1,) if num_splits == 1 else (num_tokens, num_heads, num_splits, head_dim)
     part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(part_shape[:3], dtype=torch.float32, device=q.device)
     pages = entries if entries is not None else PageRef(sliding.table, 0, 1, 0)
     index = indices if indices is not None else batch.seq_idx[:, None]  # never read without indices
-    _sparse_attention_kernel[(num_tokens, num_splits)](
+    row_align = _row_align(batch.storage.stride(0), sliding.offset, sliding.width, pages.offset, pages.width)
+    plan = batch.seq_idx  # never read unplanned
+    if config.planned:
+        plan = _plan(sliding, pages, index, batch, window, topk or 0, rate, max_keys, row_align, topk is not None)
+    _sparse_attention_kernel[(num_tokens, num_splits, head_groups)](
         q, q.stride(0), q.stride(1), batch.storage, batch.storage.stride(0),
         sliding.offset, sliding.width, sliding.table, sliding.table.stride(0),
         pages.offset, pages.width, pages.table, pages.table.stride(0),
         index, index.stride(0), sinks, batch.seq_idx, batch.positions, scale * LOG2E, window, topk or 0,
-        out, out.stride(0), out.stride(1), part_out, part_lse, num_splits, num_heads,
+        out, out.stride(0), out.stride(1), part_out, part_lse, num_splits, num_heads, plan, max_keys,
         RATE=rate, PAGE_SIZE=batch.block_size, HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=config.block_n,
-        IS_CSA=indices is not None, DOT_PRECISION=dot_precision(batch.storage.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_H=block_h, BLOCK_N=config.block_n,
+        IS_CSA=indices is not None, DOT_PRECISION=dot_precision(batch.storage.dtype), PLANNED=config.planned,
+        PREFETCH=config.prefetch, ROW_ALIGN=row_align, num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, num_heads,
