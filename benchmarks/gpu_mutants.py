@@ -2,8 +2,10 @@
 
 Each mutant is a one-place edit of the package that a weak GPU test would let
 pass: a kernel that drops one long sequence's output (invisible in one
-relative error over the whole batch), and graphs never replayed (every step
-falling back to eager still gives the right tokens). For each, the package is
+relative error over the whole batch), graphs never replayed (every step
+falling back to eager still gives the right tokens), and a V4 per-step
+tensor computed behind a branch that the capture skips (vLLM PR 41665's bug
+class: right in eager runs, stale in every replay). For each, the package is
 copied to a temporary folder, the edit applied, and the named GPU tests run
 there; the mutant is killed when they fail.
 
@@ -46,6 +48,11 @@ MUTANTS = (
            "if False and self.mixed_graphs is not None and not meta.is_decode_only",
            ("tests/test_gpu_engine.py::test_cuda_graph_replay_equals_eager_for_random_batch_sizes",
             "tests/test_mixed_graphs.py")),
+    # The window rope is cached in the batch scratch behind `if key not in scratch`:
+    # kept from the warm-up, the capture skips computing it and replays use stale rope.
+    Mutant("V4 window rope kept from the graph's warm-up (skipped at capture)", "kvserve/model/deepseek_v4/model.py",
+           "            batch.scratch.clear()\n", "            pass\n",
+           ("tests/test_deepseek_v4_graphs.py::test_capture_state_gpu",)),
 )
 
 

@@ -137,3 +137,50 @@ def test_server_serves_v4_and_exports_metrics():
         while "kvserve:prefix_cache_queries_total 20.0" not in httpx.get(f"{server.url}/metrics").text:
             assert time.monotonic() < deadline, "the V4 prefix lookup never reached /metrics"
             time.sleep(0.2)
+
+
+def test_memory_plan_arithmetic(caplog):
+    """The V4 pool plan from free bytes (V4-Flash-L8 dims, 16-token blocks):
+    its blocks, what one 32K-token decoding sequence holds per page kind, how
+    many fit, and the tokens of context the pool holds once windows are
+    negligible; the start-up log says it per group."""
+    from kvserve.cache.v4_specs import v4_kv_layout
+    from kvserve.model.deepseek_v4.engine import log_plan, plan_v4_memory
+    from kvserve.model.deepseek_v4.loader import dummy_config
+    config = dummy_config("deepseek-v4-flash-l8")
+    layout = v4_kv_layout(config, 16)
+    plan = plan_v4_memory(100 * 1024**3, layout, 2)
+    assert plan.block_bytes == layout.unit * 2 == 81920 and plan.num_blocks == 1310720
+    # Window groups hold their window plus the new token: 2 sliding groups x 9 blocks (128 tokens),
+    # 3 CSA state groups x 2 (8 tokens), 2 HCA state groups x 9 (128); entries grow: CSA one
+    # block per 16 tokens (4 entries), HCA one per 128 (the slot its window ends in).
+    assert plan.blocks_per_seq == {"sliding": 18, "csa_state": 6, "csa_entries": 2048, "hca_state": 18,
+                                   "hca_entries": 256}
+    assert plan.windows == {"sliding": 128, "csa_state": 8, "hca_state": 128}
+    assert plan.num_seqs == (1310720 - 1) // 2346 == 558  # block 0 is the null block
+    assert plan.kind_blocks["csa_entries"] == 558 * 2048 and sum(plan.kind_blocks.values()) <= 1310719
+    assert plan.max_context_tokens == int(1310719 / (1 / 16 + 1 / 128))
+    assert plan_v4_memory(81920 * 2347, layout, 2).num_seqs == 1
+    assert plan_v4_memory(81920 * 2346, layout, 2).num_seqs == 0
+    with caplog.at_level(logging.INFO, logger="kvserve.model.deepseek_v4.engine"):
+        log_plan(plan, config)
+    assert "558 sequences fit" in caplog.text and "sliding: window only (128 tokens a sequence" in caplog.text
+    assert f"csa_entries: {558 * 32768:,} tokens" in caplog.text and "indexer: its keys are 20%" in caplog.text
+
+
+@pytest.mark.gpu
+def test_cuda_pool_sized_from_gpu_memory_utilization():
+    """On CUDA the V4 pool is what gpu_memory_utilization leaves once the
+    weights and a profiled peak step are held (and no more than that share)."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    llm = LLM("dummy:tiny-deepseek-v4", device="cuda", dtype="float32", max_model_len=4096,
+              gpu_memory_utilization=0.3, enforce_eager=True)
+    layout = llm.engine.runner.layout
+    pool = layout.num_blocks * layout.bytes_per_block
+    assert 0.3 * total - (total - free) - 2 * 1024**3 < pool < 0.3 * total
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -71,6 +71,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         positions continuing its store's past. With `batch` (a `V4PagedBatch`)
         attention runs on the paged storage through the Triton kernels and
         `stores` is unused."""
+        if batch is not None:
+            # Per-step tensors (window rope) are derived inside every forward: one
+            # kept from an earlier run of a static batch (a CUDA graph's warm-up)
+            # would be skipped by the capture, and every replay would read it.
+            batch.scratch.clear()
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
@@ -78,6 +83,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         c = self.config
         return self.norm(hyper_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
                                     c.hc_eps, c.rms_norm_eps))
+
+    def place_rope_tables(self, device: torch.device) -> None:
+        """Keep the rope frequency tables on `device` (they are built on the host):
+        a forward then copies nothing from pageable host memory, a copy that
+        synchronises the stream and cannot be captured in a CUDA graph."""
+        self.rope.freqs = {kind: freqs.to(device) for kind, freqs in self.rope.freqs.items()}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)

@@ -38,15 +38,19 @@ class V4PagedBatch:
     forward. Tokens are flat: token t belongs to sequence `seq_idx[t]` (-1:
     a padding token, skipped) at `positions[t]`; sequence s's pages of group
     g are `block_tables[g][s]`. `max_seq_len` bounds every position + 1 (it
-    sizes the indexer's score rows and plans split-KV). All tensors live on
-    the storage's device; nothing here is read back to the host."""
+    sizes the indexer's score rows and plans split-KV: under a CUDA graph,
+    the bound of the graph's context bucket, not the step's data). All
+    tensors live on the storage's device; nothing here is read back to the
+    host. A batch may be static (graphs.py: one per graph, over buffers
+    rewritten before each run), so `forward_tokens` empties `scratch` at the
+    start of every forward."""
     storage: torch.Tensor
     layout: V4KVLayout
     block_tables: list[torch.Tensor]
     seq_idx: torch.Tensor    # [T] int32
     positions: torch.Tensor  # [T] int64
     max_seq_len: int
-    # Per-step tensors shared by layers (e.g. window-start rope tables), keyed by the user.
+    # Per-forward tensors shared by layers (e.g. window-start rope tables), keyed by the user.
     scratch: dict[Any, torch.Tensor] = field(default_factory=dict)
 
     @property
