@@ -10,6 +10,7 @@ copied to a temporary folder, the edit applied, and the named GPU tests run
 there; the mutant is killed when they fail.
 
     python3 benchmarks/gpu_mutants.py            # prints one line per mutant; exit 1 if one survives
+    python3 benchmarks/gpu_mutants.py V4         # only the mutants whose name contains "V4"
 """
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def run_tests(m: Mutant, mutate: bool) -> int:
 def main() -> int:
     """Killed = the tests pass untouched (exit 0) and fail on the mutant (exit 1:
     a collection error or nothing collected does not count as a kill)."""
+    chosen = [m for m in MUTANTS if all(word in m.name for word in sys.argv[1:])]
     survivors = 0
-    for m in MUTANTS:
+    for m in chosen:
         baseline = run_tests(m, mutate=False)
         mutated = run_tests(m, mutate=True) if baseline == 0 else None
         killed = mutated == 1
