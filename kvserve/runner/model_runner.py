@@ -179,7 +179,15 @@ class InFlightStep:
         self.rows = rows
         self.sample = sample
         self.prompt = prompt
-        self.row_of = {s.request.request_id: i for i, s in enumerate(rows)}
+        self._row_of: dict[str, int] | None = None
+
+    @property
+    def row_of(self) -> dict[str, int]:
+        """Request id -> sample row; built on first use (only a step whose
+        tokens are pending reads it)."""
+        if self._row_of is None:
+            self._row_of = {s.request.request_id: i for i, s in enumerate(self.rows)}
+        return self._row_of
 
     def resolve(self) -> StepResult:
         """Wait for this step's sampled ids on the host (prompt logprobs go
