@@ -748,6 +748,7 @@ def test_layer_steps_gpu_bf16():
 def _engine_tokens(path, device: str, prompts, block_size: int, budget: int, max_tokens: int = 16, **kwargs):
     from kvserve.entrypoints.llm import LLM
     from kvserve.sampling_params import SamplingParams
+    kwargs.setdefault("kv_cache_memory_gb", 1)  # an engine still alive holds the rest of the GPU
     llm = LLM(str(path), device=device, dtype="float32", max_model_len=160, block_size=block_size,
               max_num_batched_tokens=budget, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -781,7 +782,7 @@ def test_flash_l8_engine_runs_with_kernels():
     from kvserve.entrypoints.llm import LLM
     from kvserve.sampling_params import SamplingParams
     llm = LLM("dummy:deepseek-v4-flash-l8", device="cuda", dtype="bfloat16", max_model_len=4096,
-              kv_cache_memory_gb=4, block_size=16, max_num_batched_tokens=512)
+              kv_cache_memory_gb=4, block_size=16, max_num_batched_tokens=512, max_num_seqs=16)
     assert llm.engine.runner.attention_backend == "triton"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 129000, (n,), generator=g).tolist() for n in (37, 700, 2500)]
