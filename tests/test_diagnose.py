@@ -168,6 +168,19 @@ def test_rules_rank_by_severity_and_json_shape():
     assert set(findings[0].as_dict()) == {"code", "severity", "evidence", "fix"}
 
 
+def test_rules_overload_from_a_small_budget_ranks_after_the_budget():
+    """A growing queue explained by prompt chunking: the budget fix comes
+    first, and the overload names it instead of asking for replicas first."""
+    overloaded = dict(arrival_period_finished_per_s=3.0, waiting_first=0.0, waiting_last=40.0,
+                      waiting_slope_per_s=4.0)
+    assert diagnose(_evidence(**overloaded), CONFIG)[0].code == "engine_overloaded"
+    chunked = dict(prefill_chunks_mean=8.0, prompts_chunked_share=1.0, requests_with_timeline=100,
+                   ttft_mean_ms=900.0, ttft_queue_ms=600.0, ttft_prefill_ms=250.0, ttft_first_decode_ms=50.0)
+    findings = diagnose(_evidence(**overloaded, **chunked), {**CONFIG, "max_num_batched_tokens": 128})
+    assert [f.code for f in findings] == ["token_budget_too_small", "engine_overloaded"]
+    assert findings[1].severity == "warning" and findings[1].fix.startswith("apply the token_budget_too_small fix")
+
+
 def test_debug_endpoint_serves_config_and_full_metrics():
     from fastapi.testclient import TestClient
 

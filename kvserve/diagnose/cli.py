@@ -13,6 +13,8 @@ def add_diagnose_parser(sub: Any) -> None:
                                                        "kvserve.diagnose.record.MetricsRecorder)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds to sample the server (--url)")
     p.add_argument("--period", type=float, default=1.0, help="seconds between samples (--url)")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="stop sampling once N requests finished in the window, within --duration (--url)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], ...} instead of text')
     p.set_defaults(func=cmd_diagnose)
 
@@ -22,7 +24,7 @@ def cmd_diagnose(a: argparse.Namespace) -> int:
     from kvserve.diagnose.report import analyze, format_json, format_text
     from kvserve.diagnose.sources import sample_server
     from kvserve.diagnose.window import Window
-    record = load_record(a.offline) if a.offline else sample_server(a.url, a.duration, a.period)
+    record = load_record(a.offline) if a.offline else sample_server(a.url, a.duration, a.period, a.requests)
     result = analyze(Window(record.samples, record.config, record.requests))
     print(format_json(result) if a.json else format_text(result))
     return 0

@@ -1,5 +1,5 @@
 """Diagnosis output: text for people, JSON for scripts, and the worst requests
-with the reason each was slow."""
+(by TTFT and end to end) with the reasons each was slow."""
 from __future__ import annotations
 
 import json
@@ -16,29 +16,54 @@ SUMMARY_KEYS = (("hit_rate", "prefix hit rate", "{:.1%}"), ("reusable_fraction",
                 ("fragmentation_mean", "fragmentation", "{:.1%}"), ("ttft_mean_ms", "TTFT mean ms", "{:.1f}"),
                 ("ttft_queue_ms", " queueing ms", "{:.1f}"), ("ttft_prefill_ms", " prefill ms", "{:.1f}"),
                 ("ttft_first_decode_ms", " first decode ms", "{:.1f}"),
+                ("requests_with_timeline", "requests (timelines)", "{:.0f}"),
                 ("prefill_chunks_mean", "prefill chunks/prompt", "{:.1f}"),
+                ("prompts_chunked_share", "prompts chunked", "{:.0%}"),
                 ("host_mb_per_s_to_gpu", "host->GPU MB/s", "{:.1f}"))
 
 
-def why_slow(s: RequestSplit, cfg: dict[str, Any]) -> str:
-    """The dominant part of one request's TTFT, in words with numbers."""
-    parts = {"queued": s.queue_s, "prefill": s.prefill_s, "first decode": s.first_decode_s}
-    top = max(parts, key=parts.get)
-    reasons = [f"{top} {parts[top] * 1e3:.0f} ms of {s.ttft_s * 1e3:.0f} ms TTFT"]
-    if s.num_chunks > 1:
-        reasons.append(f"prompt {s.prompt_tokens} tokens in {s.num_chunks} chunks "
-                       f"(budget {cfg.get('max_num_batched_tokens')})")
+def slow_reasons(s: RequestSplit, cfg: dict[str, Any], end_to_end: bool = False) -> list[tuple[str, str]]:
+    """Why one request was slow, as (tag, numbers): preempted, queued long,
+    chunked into many steps, cache miss (and long decode, end to end); its
+    largest TTFT part when none applies."""
+    ttft_ms = s.ttft_s * 1e3
+    reasons = []
     if s.num_preemptions:
-        reasons.append(f"preempted {s.num_preemptions}x, {s.lost_tokens} tokens recomputed")
-    reasons.append(f"cache hit {s.cached_tokens}/{s.prompt_tokens} prompt tokens")
-    return "; ".join(reasons)
+        reasons.append(("preempted", f"{s.num_preemptions}x, {s.lost_tokens} tokens recomputed"))
+    if s.queue_s >= 0.5 * s.ttft_s:
+        reasons.append(("queued long", f"{s.queue_s * 1e3:.0f} ms of {ttft_ms:.0f} ms TTFT"))
+    if s.num_chunks > 1:
+        reasons.append(("chunked into many steps", f"{s.prompt_tokens}-token prompt in {s.num_chunks} chunks "
+                        f"(budget {cfg.get('max_num_batched_tokens')}), {s.prefill_s * 1e3:.0f} ms"))
+    if 2 * s.cached_tokens < s.prompt_tokens and s.prefill_s + s.first_decode_s >= s.queue_s:
+        off = "" if cfg.get("enable_prefix_caching", True) else ", prefix caching off"
+        reasons.append(("cache miss", f"{s.cached_tokens}/{s.prompt_tokens} prompt tokens from cache{off}"))
+    decode_s = (s.e2e_s or 0.0) - s.ttft_s
+    if end_to_end and decode_s > s.ttft_s:
+        reasons.append(("long decode", f"{s.output_tokens} tokens in {decode_s * 1e3:.0f} ms"))
+    if not reasons:
+        parts = {"queued": s.queue_s, "prefill": s.prefill_s, "first decode": s.first_decode_s}
+        top = max(parts, key=parts.get)
+        reasons.append((top, f"{parts[top] * 1e3:.0f} ms of {ttft_ms:.0f} ms TTFT"))
+    return reasons
 
 
-def worst_requests(window: Window, n: int = 5) -> list[dict[str, Any]]:
-    worst = sorted(window.splits, key=lambda s: -s.ttft_s)[:n]
-    return [{"request_id": s.request_id, "ttft_ms": round(s.ttft_s * 1e3, 2),
-             "e2e_ms": None if s.e2e_s is None else round(s.e2e_s * 1e3, 2),
-             "why": why_slow(s, window.config)} for s in worst]
+def _worst_entry(s: RequestSplit, cfg: dict[str, Any], end_to_end: bool) -> dict[str, Any]:
+    reasons = slow_reasons(s, cfg, end_to_end)
+    return {"request_id": s.request_id, "ttft_ms": round(s.ttft_s * 1e3, 2),
+            "e2e_ms": None if s.e2e_s is None else round(s.e2e_s * 1e3, 2),
+            "queue_ms": round(s.queue_s * 1e3, 2), "prefill_ms": round(s.prefill_s * 1e3, 2),
+            "first_decode_ms": round(s.first_decode_s * 1e3, 2), "prefill_chunks": s.num_chunks,
+            "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+            "reasons": [tag for tag, _ in reasons], "why": "; ".join(f"{tag}: {text}" for tag, text in reasons)}
+
+
+def worst_requests(window: Window, n: int = 5) -> dict[str, list[dict[str, Any]]]:
+    """The n slowest requests by TTFT and by end-to-end latency."""
+    by_ttft = sorted(window.splits, key=lambda s: -s.ttft_s)[:n]
+    by_e2e = sorted((s for s in window.splits if s.e2e_s is not None), key=lambda s: -s.e2e_s)[:n]
+    return {"ttft": [_worst_entry(s, window.config, False) for s in by_ttft],
+            "e2e": [_worst_entry(s, window.config, True) for s in by_e2e]}
 
 
 def analyze(window: Window) -> dict[str, Any]:
@@ -62,9 +87,11 @@ def format_text(result: dict[str, Any]) -> str:
     for i, f in enumerate(result["findings"], 1):
         shown = ", ".join(f"{k}={_short(v)}" for k, v in f["evidence"].items())
         lines += [f"{i}. [{f['severity']}] {f['code']}", f"   evidence: {shown}", f"   fix: {f['fix']}"]
-    if result["worst_requests"]:
-        lines += ["", "slowest requests (TTFT):"]
-        lines += [f"  {w['request_id']:>8}  {w['ttft_ms']:>9.1f} ms  {w['why']}" for w in result["worst_requests"]]
+    worst = result["worst_requests"]
+    for key, title in (("ttft", "slowest requests (TTFT):"), ("e2e", "slowest requests (end to end):")):
+        if worst[key]:
+            lines += ["", title]
+            lines += [f"  {w['request_id']:>8}  {w[key + '_ms']:>9.1f} ms  {w['why']}" for w in worst[key]]
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ nothing is critical or a warning), then info; within a severity the larger
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -189,13 +190,25 @@ def engine_overloaded(ev: dict[str, Any], cfg: dict[str, Any]) -> Finding | None
 
 RULES: tuple[Rule, ...] = (kv_cache_capacity, prefix_cache_thrash, prefix_caching_disabled,
                            token_budget_too_small, block_size_mismatch, engine_overloaded)
+# Findings that slow completions down themselves: with one of them, a growing
+# queue is its symptom, and adding replicas would pay for the misconfiguration.
+OVERLOAD_CAUSES = ("kv_cache_capacity", "token_budget_too_small")
+
+
+def _symptom_after_cause(findings: list[Finding]) -> list[Finding]:
+    causes = [f.code for f in findings if f.code in OVERLOAD_CAUSES]
+    if not causes:
+        return findings
+    return [dataclasses.replace(f, severity="warning", score=-1.0, fix=f"apply the {' and '.join(causes)} fix "
+                                f"first (it slows completions), then re-check; if the queue still grows: {f.fix}")
+            if f.code == "engine_overloaded" else f for f in findings]
 
 
 def diagnose(ev: dict[str, Any], cfg: dict[str, Any]) -> list[Finding]:
     """All findings, most severe first; `healthy` when nothing is a problem."""
     if ev["requests_arrived"] <= 0 and ev["requests_finished"] <= 0 and ev.get("requests_with_timeline", 0) == 0:
         return [Finding("no_traffic", "info", _round(ev, "window_s"), "send traffic during the window")]
-    findings = [f for f in (rule(ev, cfg) for rule in RULES) if f is not None]
+    findings = _symptom_after_cause([f for f in (rule(ev, cfg) for rule in RULES) if f is not None])
     if not any(SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] for f in findings):
         evidence = _round(ev, "hit_rate", "reusable_fraction", "kv_usage_max", "preemptions", "evictions_per_s",
                           "ttft_mean_ms", "waiting_slope_per_s")

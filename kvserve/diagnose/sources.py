@@ -1,7 +1,9 @@
 """Samples from a live server: `/debug/kvserve` (full metrics, configuration,
-recent timelines) every `period_s` for `duration_s`; a server without that
-route is read from its Prometheus `/metrics` instead (counters and gauges
-only: no reusable-prefix counters, no timelines)."""
+recent timelines) every `period_s` for `duration_s`, or until `min_requests`
+requests finished inside the window; a server without that route is read
+from its Prometheus `/metrics` instead (counters and gauges only: no
+reusable-prefix counters, no timelines). The window's requests are those
+whose timelines first appear after the first poll."""
 from __future__ import annotations
 
 import json
@@ -22,7 +24,7 @@ def _get(url: str, timeout: float = 10.0) -> bytes:
         return response.read()
 
 
-def sample_server(url: str, duration_s: float, period_s: float = 1.0) -> Record:
+def sample_server(url: str, duration_s: float, period_s: float = 1.0, min_requests: int | None = None) -> Record:
     if duration_s <= 0 or period_s <= 0:
         raise ValueError(f"--duration and the sample period must be > 0, got {duration_s} and {period_s}")
     url = url.rstrip("/")
@@ -37,10 +39,17 @@ def sample_server(url: str, duration_s: float, period_s: float = 1.0) -> Record:
         raise ValueError(f"cannot reach {url}: {e.reason}") from e
     polls = [first]
     end = time.monotonic() + duration_s
-    while time.monotonic() < end:
+    while time.monotonic() < end and not _enough(polls, min_requests):
         time.sleep(min(period_s, max(end - time.monotonic(), 0)))
         polls.append(read())
     return _to_record(polls)
+
+
+def _enough(polls: list[dict[str, Any]], min_requests: int | None) -> bool:
+    if min_requests is None or len(polls) < 2:
+        return False
+    finished = [p["metrics"].get("num_requests_finished", 0) for p in (polls[0], polls[-1])]
+    return finished[1] - finished[0] >= min_requests
 
 
 def _to_record(polls: list[dict[str, Any]]) -> Record:

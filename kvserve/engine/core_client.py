@@ -7,10 +7,12 @@ GIL) and talks to it over two ZeroMQ sockets on ipc:// paths: PUSH inputs,
 PULL outputs. `ThreadCoreClient` runs the same core loop on a thread, for an
 LLMEngine built in this process. Both call `on_outputs(CoreOutputs)` on the
 event loop, and `on_exit(reason)` once if the core stops without being told.
+Both answer `debug_snapshot()` (GET /debug/kvserve) by asking the core.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -36,6 +38,33 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Non
         pass
 
 
+class DebugQueries:
+    """Debug snapshots asked of the core and not yet answered, by query id."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+
+    async def ask(self, send: Callable[[CoreInputs], None], timeout_s: float) -> dict[str, Any]:
+        query_id = f"q{next(self._ids)}"
+        future = self._waiting[query_id] = asyncio.get_running_loop().create_future()
+        send(CoreInputs(debug=[query_id]))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._waiting.pop(query_id, None)
+
+    def answering(self, on_outputs: OnOutputs) -> OnOutputs:
+        """on_outputs, after resolving the debug replies a message carries."""
+        def deliver(message: CoreOutputs) -> None:
+            for reply in message.debug:
+                future = self._waiting.pop(reply.query_id, None)
+                if future is not None and not future.done():
+                    future.set_result(reply.snapshot)
+            on_outputs(message)
+        return deliver
+
+
 class ThreadCoreClient:
     """The core loop on a thread of this process, over an already built engine."""
 
@@ -45,9 +74,11 @@ class ThreadCoreClient:
         self._transport: ThreadTransport | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._debug = DebugQueries()
 
     def start(self, on_outputs: OnOutputs, on_exit: OnExit) -> None:
         loop = asyncio.get_running_loop()
+        on_outputs = self._debug.answering(on_outputs)
         self._transport = ThreadTransport(lambda out: _call_soon(loop, on_outputs, out))
         self._thread = threading.Thread(target=self._run, args=(loop, on_exit), name="kvserve-engine",
                                         daemon=True)
@@ -65,6 +96,9 @@ class ThreadCoreClient:
 
     def send(self, inputs: CoreInputs) -> None:
         self._transport.inputs.put(inputs)
+
+    async def debug_snapshot(self, timeout_s: float) -> dict[str, Any]:
+        return await self._debug.ask(self.send, timeout_s)
 
     @property
     def is_alive(self) -> bool:
@@ -93,6 +127,7 @@ class ProcessCoreClient:
         self._codec = Codec(CoreOutputs)
         self._stopping = False
         self._reader: asyncio.Task | None = None
+        self._debug = DebugQueries()
         try:
             self.process, self.info = self._spawn(args, engine_hook)
         except BaseException:
@@ -126,7 +161,7 @@ class ProcessCoreClient:
     # -- on the event loop -----------------------------------------------------------
     def start(self, on_outputs: OnOutputs, on_exit: OnExit) -> None:
         loop = asyncio.get_running_loop()
-        self._reader = loop.create_task(self._read(on_outputs))
+        self._reader = loop.create_task(self._read(self._debug.answering(on_outputs)))
         threading.Thread(target=self._watch, args=(loop, on_exit), name="kvserve-core-watch",
                          daemon=True).start()
 
@@ -150,6 +185,9 @@ class ProcessCoreClient:
         except self._zmq.Again:   # no core connected: it died; the watcher reports that
             logger.warning("engine core is not connected; dropped %d add(s), %d abort(s)",
                            len(inputs.adds), len(inputs.aborts))
+
+    async def debug_snapshot(self, timeout_s: float) -> dict[str, Any]:
+        return await self._debug.ask(self.send, timeout_s)
 
     @property
     def is_alive(self) -> bool:

@@ -21,8 +21,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from kvserve.diagnose.endpoint import engine_snapshot
 from kvserve.engine.core_protocol import (
-    Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, Rejection, unpack_sampling_params)
+    Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, DebugReply, Rejection, unpack_sampling_params)
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class EngineCore:
             if message.shutdown:
                 return False
             self._apply(message, replies)
-        if replies.accepted or replies.rejected:
+        if replies.accepted or replies.rejected or replies.debug:
             self.transport.send(replies)   # before the step: submit waits on it
         if self.engine.has_unfinished_requests():
             self._step()
@@ -114,7 +115,10 @@ class EngineCore:
         for request_id in message.aborts:
             self._num_sent.pop(request_id, None)
             self.engine.abort_request(request_id)
-        self._idle_reported = False
+        if message.debug:   # built only when asked: never on the step path
+            replies.debug.extend(DebugReply(q, engine_snapshot(self.engine)) for q in message.debug)
+        if message.adds or message.aborts:
+            self._idle_reported = False
 
     def _add(self, job: CoreJob, replies: CoreOutputs) -> None:
         try:

@@ -6,8 +6,11 @@ answers with `CoreOutputs`: one message per engine step carrying every
 request's new token ids (plus logprobs, finish reason, cached-token count),
 the jobs it accepted or rejected since the last message, and now and then a
 metrics snapshot. Prompt logprobs, when a request asked, ride with its first
-output (its prompt is computed by then) as compact rows. Text never crosses:
-tokenization, detokenization and stop strings are the API side's.
+output (its prompt is computed by then) as compact rows. A debug query (an id
+in `CoreInputs.debug`) is answered before the next step with the core's debug
+snapshot under that id (`GET /debug/kvserve`: configuration, fresh metrics,
+recent request timelines): nothing of it crosses unless asked. Text never
+crosses: tokenization, detokenization and stop strings are the API side's.
 
 Messages are msgspec structs encoded as msgpack. SamplingParams travel
 pickled (a field may hold any object, a compiled grammar say), and so does any
@@ -51,6 +54,7 @@ class CoreInputs(msgspec.Struct, omit_defaults=True):
     """
     adds: list[CoreJob] = []
     aborts: list[str] = []
+    debug: list[str] = []      # query ids, each answered by one DebugReply
     shutdown: bool = False
 
 
@@ -73,10 +77,16 @@ class Rejection(msgspec.Struct, array_like=True):
     invalid: bool      # True: a limit the request broke (HTTP 400); False: an engine fault
 
 
+class DebugReply(msgspec.Struct, array_like=True):
+    query_id: str
+    snapshot: dict[str, Any]   # kvserve.diagnose.endpoint.engine_snapshot
+
+
 class CoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[CoreOutput] = []
     accepted: list[str] = []
     rejected: list[Rejection] = []
+    debug: list[DebugReply] = []
     metrics: dict[str, Any] | None = None
     error: str | None = None   # the core failed and is exiting
 

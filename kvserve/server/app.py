@@ -70,7 +70,7 @@ def build_app(engine, served_model_name: str, max_waiting_requests: int | None =
     app.state.async_engine, app.state.metrics = async_engine, metrics
     _add_error_handlers(app)
     _add_routes(app, handler, metrics, served_model_name)
-    add_debug_routes(app, metrics, async_engine)  # GET /debug/kvserve (kvserve diagnose --url)
+    add_debug_routes(app, async_engine)  # GET /debug/kvserve (kvserve diagnose --url)
     _add_middleware(app, options)
     vocab_size = async_engine.engine.model_config.vocab_size
     app.openapi = lambda: _openapi(app, vocab_size)
