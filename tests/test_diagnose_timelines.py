@@ -129,6 +129,7 @@ def test_prompts_that_fit_the_budget_are_healthy_online(server, monkeypatch, cap
 
 def test_core_answers_a_debug_query_before_stepping():
     from kvserve.engine.core_process import EngineCore
+    from kvserve.diagnose.recorder import request_records
     from kvserve.engine.core_protocol import CoreInputs
     from kvserve.entrypoints.llm import LLM
     from kvserve.sampling_params import SamplingParams
@@ -144,7 +145,7 @@ def test_core_answers_a_debug_query_before_stepping():
     assert [r.query_id for r in reply.debug] == ["q1", "q2"] and not reply.outputs and reply.metrics is None
     snapshot = reply.debug[0].snapshot
     assert snapshot["config"]["block_size"] == 8 and snapshot["kv_groups"][0]["spec"] == "full"
-    finished, = snapshot["requests"]
+    finished, = request_records(snapshot["requests"])   # rows in the core, dicts in the route
     assert finished["prompt_tokens"] == 5 and finished["output_tokens"] == 2
     assert [e["event"] for e in finished["timeline"]] == ["arrival", "scheduled", "prefill", "first_token",
                                                           "finish"]

@@ -6,8 +6,9 @@ process or on a thread) only when the route is called, and crosses the core
 IPC as one reply (kvserve/engine/core_protocol.py, `CoreInputs.debug`): the
 engine's configuration, its whole metrics snapshot taken now (including what
 /metrics does not export: reusable-prefix counters, arrivals), the KV blocks
-each cache group holds, and the last finished requests' timelines
-(`RequestRecorder`, oldest first).
+each cache group holds, and the last finished requests (`RequestRecorder`,
+oldest first) as rows; the route turns the rows into timelines here, so the
+core pauses between two steps only to copy references.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from kvserve.diagnose.record import engine_config
+from kvserve.diagnose.recorder import request_records
 
 # How long the route waits for the core's answer (it comes before the core's
 # next step, so only a step that long, or a dead core, makes it wait).
@@ -28,7 +30,7 @@ def engine_snapshot(engine) -> dict[str, Any]:
     config = engine_config(engine)
     return {"t": time.monotonic(), "config": config, "metrics": metrics,
             "kv_groups": kv_groups(metrics, config["num_blocks"]),
-            "requests": engine.recorder.recent_requests()}
+            "requests": engine.recorder.recent_rows()}
 
 
 def kv_groups(metrics: dict[str, Any], num_blocks: int) -> list[dict[str, Any]]:
@@ -53,7 +55,8 @@ def add_debug_routes(app, async_engine) -> None:
         if not async_engine.is_healthy:
             raise APIError(503, f"the engine is not running: {async_engine.error}", type="internal_server_error")
         try:
-            return await async_engine.core.debug_snapshot(SNAPSHOT_TIMEOUT_S)
+            snapshot = await async_engine.core.debug_snapshot(SNAPSHOT_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise APIError(503, f"the engine core did not answer within {SNAPSHOT_TIMEOUT_S:.0f} s",
                            type="internal_server_error") from None
+        return {**snapshot, "requests": request_records(snapshot["requests"])}

@@ -76,6 +76,11 @@ class RequestRecorder:
         fields no longer change."""
         return [r.as_record() for r in list(self.recent)]
 
+    def recent_rows(self) -> list[list[Any]]:
+        """The same as rows of FinishedRequest's fields: what the engine core
+        sends, so the dicts are built on the API side, not between two steps."""
+        return [r.row() for r in list(self.recent)]
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"num_requests_arrived": self.num_arrivals,
                                "prompt_tokens_arrived": self.num_prompt_tokens,
@@ -108,8 +113,17 @@ class FinishedRequest:
     # The same merge the live request does, over the same field names.
     timeline = Request.timeline
 
+    def row(self) -> list[Any]:
+        return [self.request_id, self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens,
+                self.num_preemptions, self.arrival_time, self.first_token_time, self.finished_time, self.events]
+
     def as_record(self) -> dict[str, Any]:
         return request_record(self)
+
+
+def request_records(rows: list[list[Any]]) -> list[dict[str, Any]]:
+    """`RequestRecorder.recent_rows()` (sent by the engine core) as plain data."""
+    return [FinishedRequest(*row).as_record() for row in rows]
 
 
 def request_record(request: Request | FinishedRequest) -> dict[str, Any]:

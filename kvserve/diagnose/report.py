@@ -35,7 +35,7 @@ def slow_reasons(s: RequestSplit, cfg: dict[str, Any], end_to_end: bool = False)
     if s.num_chunks > 1:
         reasons.append(("chunked into many steps", f"{s.prompt_tokens}-token prompt in {s.num_chunks} chunks "
                         f"(budget {cfg.get('max_num_batched_tokens')}), {s.prefill_s * 1e3:.0f} ms"))
-    if 2 * s.cached_tokens < s.prompt_tokens and s.prefill_s + s.first_decode_s >= s.queue_s:
+    if 2 * s.cached_tokens < s.prompt_tokens:
         off = "" if cfg.get("enable_prefix_caching", True) else ", prefix caching off"
         reasons.append(("cache miss", f"{s.cached_tokens}/{s.prompt_tokens} prompt tokens from cache{off}"))
     decode_s = (s.e2e_s or 0.0) - s.ttft_s
