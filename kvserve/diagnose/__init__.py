@@ -9,5 +9,6 @@ findings with a concrete fix.
 - sources.py: where samples come from (a live server, a JSON record file).
 - drive.py: run a workload through `LLM` while sampling (offline records).
 - report.py: text and JSON output; cli.py: `kvserve diagnose`.
-- endpoint.py: the server's `/debug/kvserve` route (full metrics + timelines).
+- endpoint.py: the server's `/debug/kvserve` route and the engine-core snapshot
+  behind it (configuration, metrics, KV groups, recent timelines).
 """
