@@ -76,13 +76,14 @@ class SparseAttentionConfig:
 
 # The configs the kernel runs when the caller passes none: (tokens up to, config),
 # first match wins. Edit from `benchmarks/v4_kernel_bench.py`'s "best config" table.
-# From its H200 run (V4-Flash dims, 32K and 128K contexts, batch 1/64/256): up to 128 tokens the
-# inline kernel with the modelled split count (49-55 us at batch 1, 65-109 us at
-# 64; the planned one took 270-370 us there), at 256 the planned one, 64 keys a
-# tile, one split (132-134 us; 157-234 us before).
+# From its H200 runs (V4-Flash dims, 32K and 128K contexts, batch 1/64/256): the
+# inline kernel at small batches (batch 1: 49-55 us with the modelled split
+# count; batch 64: 65-109 us with 1-2 splits, 270-370 us planned or with the
+# modelled count), at 256 the planned one, 64 keys a tile, one split (132-158 us).
 PREFILL_CONFIG = SparseAttentionConfig()
 DECODE_CONFIGS = (
-    (128, SparseAttentionConfig(num_stages=3)),
+    (8, SparseAttentionConfig(num_stages=3)),
+    (128, SparseAttentionConfig(num_splits=2)),
     (1 << 30, SparseAttentionConfig(block_n=64, num_splits=1, planned=True)),
 )
 
