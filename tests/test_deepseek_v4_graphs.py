@@ -20,9 +20,6 @@ and replay real graphs, and the whole engine with graphs matches the CPU.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ import torch
 
 from kvserve.cache.v4_specs import v4_kv_layout
 from kvserve.model.deepseek_v4.config import CSA, HCA, SLIDING
+from tests.triton_interpreter import run_interpreted
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
@@ -199,15 +197,8 @@ def interpreter_checks() -> None:
 
 
 def test_static_path_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    code = ("import torch; torch.set_num_threads(1); from tests import test_deepseek_v4_graphs as t; "
-            "t.interpreter_checks()")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("import torch; torch.set_num_threads(1); from tests import test_deepseek_v4_graphs as t; "
+                    "t.interpreter_checks()", timeout=600, fp_fusion=True)
 
 
 def test_capture_sizes_and_buckets():

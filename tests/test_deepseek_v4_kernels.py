@@ -17,10 +17,6 @@ engine on CUDA against the CPU.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +25,7 @@ from kvserve.attention import v4_torch_ref as ref
 from kvserve.cache.v4_specs import CompressedSpec, v4_kv_layout
 from kvserve.model.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from kvserve.model.deepseek_v4.loader import dummy_config
+from tests.triton_interpreter import run_interpreted
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 LAYER = {CSA: 0, HCA: 1, SLIDING: 2}  # layer index of each kind in the test configs
@@ -543,14 +540,8 @@ def check_engine_backends_agree() -> None:
 
 
 def test_kernels_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_deepseek_v4_kernels as t; t.interpreter_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("import torch; torch.set_num_threads(1); from tests import test_deepseek_v4_kernels as t; "
+                    "t.interpreter_checks()", timeout=300, fp_fusion=True)
 
 
 def compile_for_sm90(kernel, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 1,

@@ -12,17 +12,14 @@ forward under `torch.cuda.set_sync_debug_mode("error")`.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvserve.model.deepseek_v4.loader import dummy_config
+from tests.triton_interpreter import run_interpreted
 
 HASH_LAYER, TOPK_LAYER = 0, 1  # mlp_layer_types of the tiny and flash configs: hash layers come first
 NAN = float("nan")
@@ -234,15 +231,9 @@ def interpreter_checks() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_deepseek_v4_moe as t; t.interpreter_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_interpreted("import torch; torch.set_num_threads(1); from tests import test_deepseek_v4_moe as t; "
+                          "t.interpreter_checks()", timeout=600, fp_fusion=True)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))

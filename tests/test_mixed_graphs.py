@@ -9,16 +9,13 @@ runs under TRITON_INTERPRET=1 in a subprocess; on the GPU directly.
 """
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from tests.triton_interpreter import run_interpreted
 
 MIXED = [(0, 37), (300, 77), (41, 1), (0, 1), (130, 20), (7, 33)]
 
@@ -92,15 +89,8 @@ def tiled_check(device: str, dtype, heads=8, kv_heads=2, head_dim=32) -> None:
 
 
 def test_fixed_grid_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    code = ("import torch, tests.test_triton_kernels as t, tests.test_mixed_graphs as m; "
-            "t._patch_interpreter_scalar_index(); m.tiled_check('cpu', torch.float16)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("import torch, tests.test_triton_kernels as t, tests.test_mixed_graphs as m; "
+                    "t._patch_interpreter_scalar_index(); m.tiled_check('cpu', torch.float16)", timeout=300)
 
 
 @pytest.mark.gpu

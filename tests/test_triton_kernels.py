@@ -12,17 +12,13 @@ TRITON_INTERPRET=1 in a subprocess (skipped where Triton is not installed).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvserve.attention.backend import AttentionLayerInfo, get_backend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from tests.triton_interpreter import run_interpreted
 
 BLOCK_SIZES = [8, 16, 32, 64, 128, 256]
 # (computed tokens already in the cache, new tokens this step): prefill chunks
@@ -272,11 +268,4 @@ def interpreter_smoke() -> None:
 
 
 def test_tiny_shapes_under_interpreter():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    code = "import test_triton_kernels as t; t.interpreter_smoke()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("from tests import test_triton_kernels as t; t.interpreter_smoke()", timeout=120)
