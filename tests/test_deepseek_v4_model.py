@@ -89,6 +89,18 @@ def test_checkpoint_must_be_complete(tmp_path):
         load_deepseek_v4(str(tmp_path))
 
 
+def test_hash_router_expert_ids_out_of_range_are_refused(tmp_path):
+    """The grouped-GEMM path reads expert ids with no bounds check on the device."""
+    from safetensors.torch import load_file, save_file
+    tiny_v4_model([HCA, HCA]).save_pretrained(tmp_path)  # layer 0 routes by hash
+    tensors = load_file(tmp_path / "model.safetensors")
+    (name,) = [n for n in tensors if n.endswith("tid2eid")]
+    tensors[name][5, 1] = 4  # the tiny config has 4 experts
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"expert id 4 is outside \[0, 4\)"):
+        load_deepseek_v4(str(tmp_path))
+
+
 def test_greedy_matches_transformers_generate(tmp_path):
     """Prompts of 1..70 tokens in one batch, chunks of 5 and 13 tokens that split
     compression windows anywhere, 24 new tokens: identical to HF generate."""

@@ -53,7 +53,20 @@ def load_deepseek_v4(model: str, dtype: torch.dtype = torch.float32, device: str
     config = DeepseekV4Config.from_hf_config(json.loads((directory / "config.json").read_text()), hf_overrides)
     module = _build(config, dtype, device)
     module.load_weights(_iter_safetensors(sorted(directory.glob("*.safetensors"))))
+    _check_expert_ids(module)
     return module
+
+
+def _check_expert_ids(module: DeepseekV4ForCausalLM) -> None:
+    """Hash routers' expert ids index the expert weights on the device, where
+    nothing bounds-checks them: an id out of range is refused at load time."""
+    num_experts = module.config.n_routed_experts
+    for name, ids in module.named_buffers():
+        if name.endswith("tid2eid") and ids.numel():
+            bad = ids[(ids < 0) | (ids >= num_experts)]
+            if bad.numel():
+                raise ValueError(f"{name}: expert id {int(bad[0])} is outside [0, {num_experts}) "
+                                 f"(n_routed_experts)")
 
 
 def dummy_config(shape: str, hf_overrides: dict[str, Any] | None = None) -> DeepseekV4Config:
