@@ -456,6 +456,25 @@ def test_the_decode_fast_path_refuses_an_end_outside_the_tail_block():
     assert kv.fragmentation() == pytest.approx(1 - (13 + 5) / (4 * 4 + 3 * 4))
 
 
+def test_no_fast_path_on_a_cached_tail_that_another_request_joins():
+    """A step caches A's full block 2, then computes fewer tokens than it
+    scheduled: A's end moves back into that block, which stays in the hash map.
+    B's prefix hit then holds it too, so A's next decode must not treat it as
+    its own (an in-place fill update would move B's count instead)."""
+    kv = manager([FULL], 12)
+    a = request("a", list(range(12)))
+    assert kv.allocate_slots(a, 12)  # blocks 0-2 full and cached
+    assert kv.allocate_slots(a, 10)  # the step computed nothing: the end moves back to 10
+    a.num_computed_tokens = 10
+    assert kv._tail_is_cached("a", 2) and "a" not in kv._room
+    b = request("b", list(range(12)) + [99])
+    computed, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 12 and kv.allocate_slots(b, 1, computed)
+    assert kv.allocate_slots(a, 1)  # end 11 inside the shared block
+    kv.check_integrity()
+    assert kv.fragmentation() == pytest.approx(1 - (4 + 4 + 4 + 1) / (4 * 4))
+
+
 def _busy_manager(**kwargs) -> tuple[KVCacheManager, Request]:
     kv = manager([FULL], 8, **kwargs)
     r = request("a", list(range(10)))
@@ -483,6 +502,7 @@ def _busy_manager(**kwargs) -> tuple[KVCacheManager, Request]:
     # the decode fast path's room ([9, 12]: the tail block 3) moved past the tail, or its counters stale
     (lambda kv: kv._room.update({"a": (13, 16, kv._room["a"][2])}), r"room \[13, 16\] is not its tail block"),
     (lambda kv: kv._room.update({"a": (9, 12, [{1: 1}])}), "fast-path tail counters are stale"),
+    (lambda kv: setattr(kv.managers[0].blocks("a")[2], "block_hash", b"x"), "fast-path room on a cached tail"),
     # a table (of NULL only, so the pool agrees) with no mirror
     (lambda kv: kv.managers[0].req_to_blocks.update({"ghost": [kv.pool.null_block]}),
      r"block-id mirror of 'ghost' in group 0 is \[\]"),

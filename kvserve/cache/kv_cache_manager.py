@@ -294,16 +294,22 @@ class KVCacheManager:
         """Remember how far the request's end can move with nothing to do but
         move it (and cache the tail once it is full): within its tail block
         (past it a block must be allocated: slow path), where every group's tail
-        is held by this request alone (true of a partly filled block: only full
-        blocks are shared), and never in a model whose groups drop blocks as
+        is held by this request alone and is not in the hash map (only cached
+        blocks gain holders), and never in a model whose groups drop blocks as
         queries move. Checked first because it is what most decode steps are
         (hot path)."""
         index, slots = divmod(end, self.block_size)
         tails = self._held.sole_tails(request_id, index, slots)
-        if self._drops_blocks or slots == 0 or tails is None:
+        if self._drops_blocks or slots == 0 or tails is None or self._tail_is_cached(request_id, index):
             self._room.pop(request_id, None)
         else:
             self._room[request_id] = (index * self.block_size + 1, (index + 1) * self.block_size, tails)
+
+    def _tail_is_cached(self, request_id: str, index: int) -> bool:
+        """A tail block in the hash map (cached when full, then the end moved
+        back: a step computed fewer tokens than scheduled) can gain holders
+        through prefix hits, so it is no room of one request's."""
+        return any(m.blocks(request_id)[index].block_hash is not None for m in self.managers)
 
     def _move_within_tail(self, request: Request, total: int, room: tuple) -> None:
         request_id = request.request_id
@@ -566,6 +572,8 @@ class KVCacheManager:
                                    f"its tail block (end {end})")
             if tails != self._held.sole_tails(request_id, *divmod(end, self.block_size)):
                 raise RuntimeError(f"request {request_id!r}: fast-path tail counters are stale")
+            if self._tail_is_cached(request_id, end // size):
+                raise RuntimeError(f"request {request_id!r}: fast-path room on a cached tail block")
 
     def _check_host_integrity(self) -> None:
         host = self.host_tier
