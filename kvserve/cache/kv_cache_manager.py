@@ -326,13 +326,14 @@ class KVCacheManager:
                       first_query_pos: int, total: int, reserve: int = 0) -> bool:
         needed = 0
         for group_id, manager in enumerate(self.managers):
-            hit_blocks = hit.blocks[group_id] if hit else []
+            hit_blocks = hit.blocks[group_id] if hit else ()
             needed += manager.num_new_blocks(request_id, total, len(hit_blocks))
             # A hit on a free block takes it out of the free queue; one on the
             # host needs a fresh block to load into.
             needed += sum(1 for b in hit_blocks
                           if b.on_host or (not b.is_null and b.ref_cnt == 0))
-            needed -= manager.num_reclaimed(request_id, first_query_pos)
+            if self._drops_blocks:
+                needed -= manager.num_reclaimed(request_id, first_query_pos)
         return needed + reserve <= self.pool.num_free_blocks
 
     def _apply_allocation(self, request_id: str, hit: ComputedBlocks | None,
@@ -342,10 +343,11 @@ class KVCacheManager:
         holds = request_id in self._num_tokens  # then no hit (_check_hit_usable)
         if hit is not None:
             self._add_hit(request_id, hit)
-        if holds:
-            self._held.drop_skipped(request_id, first_query_pos, self._num_tokens[request_id])
-        for manager in self.managers:
-            manager.remove_skipped_blocks(request_id, first_query_pos)
+        if self._drops_blocks:  # no group drops blocks: nothing is skippable
+            if holds:
+                self._held.drop_skipped(request_id, first_query_pos, self._num_tokens[request_id])
+            for manager in self.managers:
+                manager.remove_skipped_blocks(request_id, first_query_pos)
         if holds:
             self._set_end(request_id, total)
         for manager in self.managers:
