@@ -198,21 +198,24 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(len(request.prompt_token_ids) + sampled - request.num_computed_tokens, budget)
-            if not allocate(request, num_new) and not self._allocate_or_preempt(request, num_new, out):
+            if not allocate(request, num_new) and not self._preempt_until_fits(request, num_new, out):
                 break  # `request` itself was preempted; everything after it too.
             scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
             budget -= num_new
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        while not self.kv_cache.allocate_slots(request, num_new):
+    def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """`request`'s allocation failed: preempt the newest running requests
+        until it succeeds; False once `request` itself was preempted."""
+        while True:
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
-        return True
+            if self.kv_cache.allocate_slots(request, num_new):
+                return True
 
     def _preempt(self, request: Request, to_front: bool = True) -> None:
         """Release (swap or free) a running request's KV and requeue it: at the

@@ -258,12 +258,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        total = request.num_computed_tokens + num_new_tokens
-        if computed is None or computed.num_tokens == 0:
-            room = self._room.get(request.request_id)
-            if room is not None and room[0] <= total <= room[1]:
-                self._move_within_tail(request, total, room)
-                return True  # the common decode step: nothing to allocate or free
+        if (computed is None or computed.num_tokens == 0) and self._move_within_tail(request, num_new_tokens):
+            return True  # the common decode step: nothing to allocate or free
         hit = computed if computed is not None and computed.num_tokens > 0 else None
         if hit is not None:
             self._check_hit_usable(request, hit)
@@ -299,8 +295,8 @@ class KVCacheManager:
         queries move. Checked first because it is what most decode steps are
         (hot path)."""
         index, slots = divmod(end, self.block_size)
-        tails = self._held.sole_tails(request_id, index, slots)
-        if self._drops_blocks or slots == 0 or tails is None or self._tail_is_cached(request_id, index):
+        tails = None if self._drops_blocks or slots == 0 else self._held.sole_tails(request_id, index, slots)
+        if tails is None or self._tail_is_cached(request_id, index):
             self._room.pop(request_id, None)
         else:
             self._room[request_id] = (index * self.block_size + 1, (index + 1) * self.block_size, tails)
@@ -311,8 +307,13 @@ class KVCacheManager:
         through prefix hits, so it is no room of one request's."""
         return any(m.blocks(request_id)[index].block_hash is not None for m in self.managers)
 
-    def _move_within_tail(self, request: Request, total: int, room: tuple) -> None:
-        request_id = request.request_id
+    def _move_within_tail(self, request: Request, num_new_tokens: int) -> bool:
+        """Move the end within the request's room (`_set_room`); False, changing
+        nothing, when the new end is outside it."""
+        request_id, total = request.request_id, request.num_computed_tokens + num_new_tokens
+        room = self._room.get(request_id)
+        if room is None or not room[0] <= total <= room[1]:
+            return False
         moved = total - self._num_tokens[request_id]
         if moved:
             self._held.fill.advance_sole_tails(room[2], moved)
@@ -321,6 +322,7 @@ class KVCacheManager:
             del self._room[request_id]
             if self.enable_prefix_caching:
                 self._cache_full_blocks(request, total)
+        return True
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
                       first_query_pos: int, total: int, reserve: int = 0) -> bool:
