@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.cache.v4_specs import V4KVLayout
+from kvserve.runner.cuda_graph import capture_sizes as decode_capture_sizes
 
 if TYPE_CHECKING:  # the kernels import Triton: only the "triton" backend needs them
     from kvserve.model.deepseek_v4.kernels import V4PagedBatch
@@ -58,8 +59,7 @@ MAX_GRAPH_SEQS = 512
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, mixed: bool) -> list[int]:
     """Token buckets: the decode sizes (1, 2, 4, 8, then every 8 up to 512
     sequences) and, with `mixed`, coarser ones up to MAX_GRAPH_TOKENS."""
-    limit = min(max_num_seqs, 512, max_num_batched_tokens)
-    sizes = {s for s in (1, 2, 4, 8) if s <= limit} | set(range(16, limit + 1, 8)) | {limit}
+    sizes = set(decode_capture_sizes(min(max_num_seqs, max_num_batched_tokens)))  # Llama's decode buckets
     if mixed:
         top = min(max_num_batched_tokens, MAX_GRAPH_TOKENS)
         sizes |= {s for s in (16, 32, 64, 128, 256, 384, 512) if s <= top}
