@@ -10,9 +10,11 @@ tiny random-weight checkpoint with no tokenizer, so prompts are token ids.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import signal
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -23,7 +25,8 @@ from kvserve.engine.core_process import EngineCore
 from kvserve.engine.core_protocol import CoreInputs, CoreJob, CoreOutputs, CoreRequest, pack_sampling_params
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.app import build_app
-from kvserve.server.async_engine import AsyncEngine, EngineDeadError, Job
+from kvserve.server.async_engine import AsyncEngine, Delta, EngineDeadError, Job
+from kvserve.server.serving import GenerationHandler, _ClosingStream, _Format
 from tests.test_server import LiveServer
 from tests.tiny_models import save_tiny_checkpoint
 
@@ -88,6 +91,45 @@ def test_disconnect_storm_leaves_no_block_in_use(tiny_server):
     generated = m["kvserve:generation_tokens_total"] - before.get("kvserve:generation_tokens_total", 0)
     assert generated < 48 * LONG / 4
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+
+
+def test_a_client_that_leaves_during_a_send_aborts_at_once():
+    """Starlette cancels the task that is sending a chunk; the stream and its
+    `deltas` generator, suspended at their `yield`s, must close then (closing
+    `deltas` aborts the request), not when the garbage collector finds them."""
+    closed = []
+
+    class Engine:
+        async def deltas(self, sub):
+            try:
+                for i in range(1000):
+                    yield Delta(0, [i], str(i), None)
+                    await asyncio.sleep(0)
+            finally:
+                closed.append(sub)
+
+    handler = GenerationHandler.__new__(GenerationHandler)
+    handler.engine, sub = Engine(), SimpleNamespace(job=SimpleNamespace(num_choices=1, n=1))
+    response = _ClosingStream(handler._stream(sub, _Format(None, None), {"id": "cmpl-1"}, [4], False))
+    client_left = asyncio.Event()
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            client_left.set()
+            await asyncio.Event().wait()   # the socket never drains: cancelled here
+
+    async def receive():
+        await client_left.wait()
+        return {"type": "http.disconnect"}
+
+    async def serve():
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        return list(closed)
+    gc.disable()   # only an explicit close may count
+    try:
+        assert asyncio.run(serve()) == [sub]
+    finally:
+        gc.enable()
 
 
 def test_non_streaming_clients_that_leave_free_their_blocks(tiny_server):
@@ -230,6 +272,9 @@ def test_core_sends_one_message_per_step_and_answers_adds_before_stepping(tiny_a
     assert [o.finish_reason for o in steps[-1].outputs] == ["length"] * 4
     core.run_once()                    # idle: one final metrics snapshot
     assert transport.sent[-1].metrics["kv_cache_usage_perc"] == 0.0
+    transport.inbox.append(CoreInputs(adds=[CoreJob("c", [_request("c0", _prompt(5), max_tokens=6)])]))
+    core.run_once()   # within METRICS_INTERVAL_S of the idle one, but the busy snapshot must go out
+    assert transport.sent[-1].metrics["num_requests_running"] == 1
 
 
 def test_core_abort_frees_blocks_and_stops_outputs(tiny_args):

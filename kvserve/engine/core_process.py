@@ -117,8 +117,9 @@ class EngineCore:
             self.engine.abort_request(request_id)
         if message.debug:   # built only when asked: never on the step path
             replies.debug.extend(DebugReply(q, engine_snapshot(self.engine)) for q in message.debug)
-        if message.adds or message.aborts:
+        if (message.adds or message.aborts) and self._idle_reported:
             self._idle_reported = False
+            self._last_metrics = float("-inf")   # the first busy step reports: no idle snapshot outlives it
 
     def _add(self, job: CoreJob, replies: CoreOutputs) -> None:
         try:

@@ -15,6 +15,7 @@ returns them in vLLM's shape, per choice (completions) or per response (chat).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -316,7 +317,7 @@ class GenerationHandler:
         request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
         meta = {"id": f"{fmt.id_prefix}-{request_id}", "created": int(time.time()), "model": self.model_name}
         if body.is_stream:
-            return StreamingResponse(self._stream(sub, fmt, meta, prompt_lens, body.include_usage),
+            return _ClosingStream(self._stream(sub, fmt, meta, prompt_lens, body.include_usage),
                                      media_type="text/event-stream")
         collect = asyncio.ensure_future(self._collect(sub, job))
         choices = await _unless_disconnected(collect, http)
@@ -357,14 +358,17 @@ class GenerationHandler:
         started: set[int] = set()
         choices = [_Choice() for _ in range(sub.job.num_choices)]
         try:
-            async for d in self.engine.deltas(sub):
-                _check_failed(d)
-                _absorb(choices[d.index], d)
-                chunk = {**head, "choices": fmt.chunk_choices(d, choices[d.index], d.index not in started)}
-                started.add(d.index)
-                if include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
+            # Closing this generator closes `deltas` now (which aborts what is
+            # open), not when the garbage collector finalizes it.
+            async with contextlib.aclosing(self.engine.deltas(sub)) as deltas:
+                async for d in deltas:
+                    _check_failed(d)
+                    _absorb(choices[d.index], d)
+                    chunk = {**head, "choices": fmt.chunk_choices(d, choices[d.index], d.index not in started)}
+                    started.add(d.index)
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
         except Exception as e:  # headers are sent: the error travels as an event
             error = e if isinstance(e, APIError) else APIError(
                 500, f"{ENGINE_ERROR}: {e}", type="internal_server_error", code="internal_error")
@@ -374,6 +378,20 @@ class GenerationHandler:
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(prompt_lens, choices, sub.job.n)})
         yield "data: [DONE]\n\n"
+
+
+class _ClosingStream(StreamingResponse):
+    """An SSE response that closes its generator as soon as it ends, however it
+    ends. Starlette only cancels the task driving the generator: a client that
+    left while a chunk was being sent left the generator suspended at its
+    `yield`, and its requests generated on to max_tokens until the garbage
+    collector finalized it."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _absorb(c: _Choice, d: Delta) -> None:
