@@ -127,3 +127,27 @@ def test_a_grammar_row_that_fails_is_named():
     with pytest.raises(RequestFailed) as info:
         sampler.sample(torch.zeros(2, VOCAB), params, ["ok", "bad"])
     assert info.value.request_ids == ["bad"]
+
+
+def test_the_batch_plan_follows_the_rows_order():
+    """Steady decode reuses the last batch's plan (greedy flags, temperatures);
+    the same requests in another order must get a new one."""
+    sampler = Sampler(0, torch.device("cpu"))
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=1.0)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 3] = 1e-3                     # argmax 3; sampling is close to uniform
+    for order in (["g", "t"], ["g", "t"], ["t", "g"], ["t", "g"], ["g", "t"]):
+        params = [greedy if r == "g" else hot for r in order]
+        for _ in range(4):
+            ids = sampler.sample(logits, params, order).resolve().token_ids
+            assert ids[order.index("g")] == 3, order
+
+
+def test_a_finished_request_id_that_comes_back_gets_a_fresh_plan():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 1e-3                     # argmax 3; sampling is close to uniform
+    sampler.sample(logits, [SamplingParams(temperature=1.0)], ["a"]).resolve()
+    sampler.forget("a")
+    greedy = [SamplingParams(temperature=0)]
+    assert [sampler.sample(logits, greedy, ["a"]).resolve().token_ids[0] for _ in range(4)] == [3] * 4

@@ -61,6 +61,7 @@ class Sampler:
         self._requests: dict[str, object] = {}
         self.penalties = PenaltyBuffers(device)
         self._grammar_masks = None   # kvserve.structured.grammar.GrammarMasks, on the first grammar
+        self._plan: _BatchPlan | None = None   # the last batch's (`_plan_for`)
 
     def track(self, request) -> None:
         """Remember a request's prompt and eos ids (the engine calls this on intake)."""
@@ -68,6 +69,7 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._plan = None   # it may hold this request's state; an id can come back
         state = self._states.pop(request_id, None)
         if state is not None and state.slot is not None:
             self.penalties.release(state.slot)
@@ -76,25 +78,32 @@ class Sampler:
                request_ids: list[str]) -> "PendingSample":
         """Launch sampling; the ids stay on the device (`token_ids`) for the next
         step, and one packed copy heads to the host behind an event."""
-        states = self._states_for(params, request_ids)
-        processed = self._process(logits, params, states, request_ids)
-        if all(p.is_greedy for p in params):
+        plan = self._plan_for(params, request_ids)
+        processed = self._process(logits, params, plan.states, request_ids) if plan.needs_processing else logits
+        if plan.all_greedy:
             ids = processed.argmax(dim=-1)  # argmax is exact in any float type: no upcast
         else:
-            ids = self._sample_mixed(processed.float(), params, states)
-        self._after_sample(ids, params, states)
-        if all(p.logprobs is None for p in params):
+            ids = self._sample_mixed(processed.float(), params, plan)
+        self._after_sample(ids, plan)
+        if plan.num_top is None:
             # Like vLLM, logprobs (cumulative ones too) cost nothing unless asked
             # for: no full-vocabulary log-softmax on the hot path.
             return PendingSample(ids, _to_host_async(ids), params, None)
         logprobs_all = torch.log_softmax(logits.float(), dim=-1)  # raw logits, as vLLM's default
-        want = max((p.logprobs or 0) for p in params)
         columns = [ids.unsqueeze(1).double(), logprobs_all.gather(1, ids.unsqueeze(1)).double()]
-        if want:
-            top_lp, top_ids = logprobs_all.topk(want, dim=-1)
+        if plan.num_top:
+            top_lp, top_ids = logprobs_all.topk(plan.num_top, dim=-1)
             columns += [top_ids.double(), top_lp.double()]
         # Token ids are exact in float64, so one tensor carries everything.
-        return PendingSample(ids, _to_host_async(torch.cat(columns, dim=1)), params, want)
+        return PendingSample(ids, _to_host_async(torch.cat(columns, dim=1)), params, plan.num_top)
+
+    def _plan_for(self, params: list[SamplingParams], request_ids: list[str]) -> "_BatchPlan":
+        """The batch's plan: the last one when these are the same requests in the
+        same order (steady decode), else a new one."""
+        plan = self._plan
+        if plan is None or plan.request_ids != request_ids:
+            plan = self._plan = _BatchPlan(request_ids, params, self._states_for(params, request_ids))
+        return plan
 
     # -- per-request state -------------------------------------------------------
     def _states_for(self, params: list[SamplingParams], request_ids: list[str]) -> list[_RowState]:
@@ -161,35 +170,61 @@ class Sampler:
             self.penalties.apply(x, penalized)
         return x
 
-    def _after_sample(self, ids: torch.Tensor, params: list[SamplingParams],
-                      states: list[_RowState]) -> None:
-        rows = [(i, s.slot) for i, s in enumerate(states) if s.slot is not None]
-        if rows:
-            self.penalties.count(ids, rows)
-        for i, state in enumerate(states):
+    def _after_sample(self, ids: torch.Tensor, plan: "_BatchPlan") -> None:
+        if plan.penalty_rows:
+            self.penalties.count(ids, plan.penalty_rows)
+        for i, state in plan.counted:
             state.num_sampled += 1
             if state.grammar is not None:
                 state.grammar.sampled(ids, i)
 
     def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
-                      states: list[_RowState]) -> torch.Tensor:
+                      plan: "_BatchPlan") -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
-        temps = upload(torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params]),
-                       logits.device).unsqueeze(1)
-        scaled = logits / temps
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            scaled = _filter_logits(scaled, params)   # a full-vocabulary sort: only when asked for
+        scaled = logits / plan.tensor("temps", lambda: _temperatures(params, logits.device))
+        if plan.filters:   # a full-vocabulary sort: only when asked for
+            scaled = _filter_logits(scaled, params, plan)
         probs = torch.softmax(scaled, dim=-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws from p. Seeded rows
         # redraw their noise from their own generator, so their samples do not
         # depend on what else shares the batch.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, state in enumerate(states):
-            if state.generator is not None and not params[i].is_greedy:
-                noise[i].exponential_(generator=state.generator)
+        for i, generator in plan.seeded:
+            noise[i].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = upload(torch.tensor([p.is_greedy for p in params]), logits.device)
+        is_greedy = plan.tensor("is_greedy", lambda: upload(torch.tensor([p.is_greedy for p in params]),
+                                                            logits.device))
         return torch.where(is_greedy, greedy, sampled)
+
+
+class _BatchPlan:
+    """What one batch's rows ask for, worked out when the batch changes: steady
+    decode samples the same requests in the same order step after step, so
+    these per-row passes and their uploads run once, not every step.
+    `num_sampled` is counted only for the rows that read it (min_tokens)."""
+
+    def __init__(self, request_ids: list[str], params: list[SamplingParams], states: list[_RowState]) -> None:
+        self.request_ids, self.states = request_ids, states
+        self.all_greedy = all(p.is_greedy for p in params)
+        self.needs_processing = any(p.needs_logits_processing for p in params)
+        self.num_top = None if all(p.logprobs is None for p in params) else max(p.logprobs or 0 for p in params)
+        self.filters = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        self.seeded = [(i, s.generator) for i, (p, s) in enumerate(zip(params, states))
+                       if s.generator is not None and not p.is_greedy]
+        self.penalty_rows = [(i, s.slot) for i, s in enumerate(states) if s.slot is not None]
+        self.counted = [(i, s) for i, s in enumerate(states) if s.min_tokens_ban is not None or s.grammar is not None]
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def tensor(self, name: str, build) -> torch.Tensor:
+        """The batch's device tensor `name`, built on first use."""
+        t = self._tensors.get(name)
+        if t is None:
+            t = self._tensors[name] = build()
+        return t
+
+
+def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    return upload(torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params]), device).unsqueeze(1)
 
 
 class PendingSample:
@@ -235,14 +270,14 @@ def _to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | No
     return host, event
 
 
-def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _filter_logits(logits: torch.Tensor, params: list[SamplingParams], plan: _BatchPlan) -> torch.Tensor:
     """Apply top-k, top-p and min-p per row (rows not asking are untouched)."""
     neg_inf = torch.finfo(logits.dtype).min
-    vocab = logits.shape[-1]
-    top_k = upload(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]),
-                   logits.device)
-    top_p = upload(torch.tensor([p.top_p for p in params]), logits.device)
-    min_p = upload(torch.tensor([p.min_p for p in params]), logits.device)
+    vocab, device = logits.shape[-1], logits.device
+    top_k = plan.tensor("top_k", lambda: upload(
+        torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]), device))
+    top_p = plan.tensor("top_p", lambda: upload(torch.tensor([p.top_p for p in params]), device))
+    min_p = plan.tensor("min_p", lambda: upload(torch.tensor([p.min_p for p in params]), device))
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
