@@ -3,7 +3,7 @@ import random
 
 import torch
 
-from kvserve.runner.batch import pad_tables
+from kvserve.runner.batch import ALIGN, pack, pad_tables, slot_mapping, split_packed
 
 
 def _brute(tables, width):
@@ -53,3 +53,27 @@ def test_block_table_rows_gather_equals_padded_lists_through_growth_and_release(
             for group, got in enumerate(rows.gather(ids)):
                 width = max(1, max(len(truth[r][group]) for r in ids))
                 assert got.tolist() == _brute([truth[r][group] for r in ids], width)
+
+
+def test_packed_parts_come_back_equal_and_aligned():
+    """The one-transfer upload's pack and split (CUDA packs; the CPU has nothing to move)."""
+    rng = torch.Generator().manual_seed(0)
+    for dtype in (torch.int32, torch.int64):
+        parts = [torch.randint(0, 1 << 30, shape, generator=rng, dtype=dtype)
+                 for shape in [(1,), (17,), (0,), (5, 3), (ALIGN,), (3, 40)]]
+        packed = pack(parts)
+        views = split_packed(packed, parts)
+        for part, view in zip(parts, views):
+            assert view.dtype == dtype and torch.equal(view, part)
+            assert view.is_contiguous() and view.data_ptr() % 16 == 0
+            assert view.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+
+
+def test_slot_mapping_matches_a_per_token_walk():
+    rng = random.Random(1)
+    block_size, tables = 4, [[rng.randrange(1, 99) for _ in range(6)] for _ in range(3)]
+    seq_idx = [rng.randrange(3) for _ in range(40)]
+    positions = [rng.randrange(24) for _ in range(40)]
+    got = slot_mapping(pad_tables(tables), torch.tensor(seq_idx), torch.tensor(positions), block_size)
+    want = [tables[s][p // block_size] * block_size + p % block_size for s, p in zip(seq_idx, positions)]
+    assert got.dtype == torch.int64 and got.tolist() == want

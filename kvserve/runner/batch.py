@@ -1,8 +1,9 @@
 """Batch preparation: scheduled requests -> flat input tensors + attention metadata.
 
-The host side is a few list walks and one `torch.tensor` per array; each array
-moves to the device once (pinned, non-blocking on CUDA), and slot mappings are
-derived from block tables on the device, so there is no per-token Python loop.
+The host side is a few list walks and one `torch.tensor` per array; slot
+mappings are derived from the block tables with array ops (no per-token Python
+loop), on the host; on CUDA everything then moves to the device in two
+transfers, one per dtype, packed, pinned and non-blocking.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.request import PENDING_TOKEN
 from kvserve.scheduler import ScheduledRequest
+
+ALIGN = 16   # elements: a packed part's start (`upload_packed`)
 
 
 @dataclass
@@ -92,28 +95,31 @@ def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_si
 def inputs_for_rows(host: HostBatch, rows: list[int], sampling_rows: list[ScheduledRequest],
                     block_size: int, device: torch.device) -> ModelInputs:
     """Device inputs whose logits rows are those of sequences `rows` (a
-    tensor-parallel worker, which samples nothing, passes none)."""
-    def to(t: torch.Tensor) -> torch.Tensor:
-        return upload(t, device)
-    seq_idx, positions = to(host.seq_idx), to(host.positions)
-    tables = [to(t) for t in host.block_tables]
-    slots = [slot_mapping(t, seq_idx, positions, block_size) for t in tables]
+    tensor-parallel worker, which samples nothing, passes none). Two transfers
+    in all, one per dtype (`upload_packed`); slot mappings are computed here."""
     last = host.query_start_loc[1:].long() - 1
     logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
+    slots = [slot_mapping(t, host.seq_idx, host.positions, block_size) for t in host.block_tables]
+    input_ids, positions, logits_indices, *slots = upload_packed(
+        [host.input_ids, host.positions, logits_indices, *slots], device)
+    query_start_loc, seq_lens, *tables = upload_packed(
+        [host.query_start_loc, host.seq_lens, *host.block_tables], device)
     meta = AttentionMetadata(
         num_seqs=len(host.seq_lens_list), num_tokens=len(host.input_ids), block_size=block_size,
-        query_start_loc=to(host.query_start_loc), seq_lens=to(host.seq_lens),
-        block_tables=tables, slot_mappings=slots,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables, slot_mappings=slots,
         max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens_list),
         query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens_list)
-    return ModelInputs(input_ids=to(host.input_ids), positions=positions, meta=meta,
-                       logits_indices=to(logits_indices), sampling_rows=sampling_rows, host=host)
+    return ModelInputs(input_ids=input_ids, positions=positions, meta=meta,
+                       logits_indices=logits_indices, sampling_rows=sampling_rows, host=host)
 
 
 def slot_mapping(table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor,
                  block_size: int) -> torch.Tensor:
-    """Flat cache slot of each token: its block's id * block_size + offset."""
-    return table[seq_idx, positions // block_size].long() * block_size + positions % block_size
+    """Flat cache slot of each token (host tensors): its block's id * block_size
+    + offset. In numpy: half the time of the same torch ops on a small batch."""
+    pos = positions.numpy()
+    blocks = table.numpy()[seq_idx.numpy(), pos // block_size].astype(np.int64)
+    return torch.from_numpy(blocks * block_size + pos % block_size)
 
 
 def pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
@@ -137,3 +143,36 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of one dtype on `device` with one transfer (CUDA): packed
+    into one pinned buffer, copied once without waiting for the stream, and
+    split into views of their shapes. Each transfer costs a pinned buffer and a
+    copy launch: a step's eight separate ones were most of its CUDA-only host
+    time. On the CPU there is nothing to transfer."""
+    if device.type != "cuda":
+        return parts
+    return split_packed(pack(parts, pin_memory=True).to(device, non_blocking=True), parts)
+
+
+def pack(parts: list[torch.Tensor], pin_memory: bool = False) -> torch.Tensor:
+    """`parts` (one dtype) flattened into one buffer, each starting at a
+    multiple of ALIGN elements so that the views `split_packed` hands to
+    kernels stay 16-byte aligned (Triton specializes on it)."""
+    starts = _starts(parts)
+    packed = torch.empty(starts[-1], dtype=parts[0].dtype, pin_memory=pin_memory)
+    flat = packed.numpy()
+    for t, start in zip(parts, starts):
+        flat[start:start + t.numel()] = t.numpy().reshape(-1)
+    return packed
+
+
+def split_packed(packed: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `packed` (`pack(parts)`, wherever it now is) shaped as `parts`."""
+    return [packed[start:start + t.numel()].view(t.shape) for t, start in zip(parts, _starts(parts))]
+
+
+def _starts(parts: list[torch.Tensor]) -> list[int]:
+    """Each part's offset in the packed buffer, then its length."""
+    return list(itertools.accumulate((-(-t.numel() // ALIGN) * ALIGN for t in parts), initial=0))
