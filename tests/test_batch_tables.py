@@ -1,6 +1,7 @@
 """Block tables padded for the device: against a plain-Python padding."""
 import random
 
+import pytest
 import torch
 
 from kvserve.runner.batch import ALIGN, pack, pad_tables, slot_mapping, split_packed
@@ -67,6 +68,8 @@ def test_packed_parts_come_back_equal_and_aligned():
             assert view.dtype == dtype and torch.equal(view, part)
             assert view.is_contiguous() and view.data_ptr() % 16 == 0
             assert view.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="one dtype"):
+        pack([torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)])
 
 
 def test_slot_mapping_matches_a_per_token_walk():

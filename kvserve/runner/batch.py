@@ -160,8 +160,11 @@ def pack(parts: list[torch.Tensor], pin_memory: bool = False) -> torch.Tensor:
     """`parts` (one dtype) flattened into one buffer, each starting at a
     multiple of ALIGN elements so that the views `split_packed` hands to
     kernels stay 16-byte aligned (Triton specializes on it)."""
+    dtype = parts[0].dtype
+    if any(t.dtype != dtype for t in parts):   # numpy would cast silently
+        raise ValueError(f"packed parts must share one dtype, got {[t.dtype for t in parts]}")
     starts = _starts(parts)
-    packed = torch.empty(starts[-1], dtype=parts[0].dtype, pin_memory=pin_memory)
+    packed = torch.empty(starts[-1], dtype=dtype, pin_memory=pin_memory)
     flat = packed.numpy()
     for t, start in zip(parts, starts):
         flat[start:start + t.numel()] = t.numpy().reshape(-1)
