@@ -5,7 +5,10 @@ Measures the host work a step does besides the model: the scheduler
 gathering, output processing, stats: the rest of `LLMEngine.step`), the
 metrics snapshot the server publishes after every step (`get_metrics`), and
 input preparation (`prepare_inputs`: host batch, block tables, uploads).
-"host total" is their sum. The forward/sampling launch and the wait for the
+"host total" is their sum. "core_out" is what `kvserve serve`'s engine core adds
+to every step: one `CoreOutput` per request that got a token, encoded as the
+IPC sends it; printed beside the total, not in it, so that the total stays
+comparable with earlier runs. The forward/sampling launch and the wait for the
 step in flight are printed for context only: on CPU they are the model's
 compute, on CUDA the launch is Python kernel launches (or a graph replay).
 `--stub-forward` (CPU) replaces the transformer layers by zeros: the host
@@ -28,15 +31,18 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+import msgspec
 import torch
 
 from kvserve.config import EngineArgs
+from kvserve.engine.core_process import EngineCore
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.runner import model_runner
 from kvserve.runner.model_runner import InFlightStep
 from kvserve.sampling_params import SamplingParams
 
 HOST_PARTS = ("schedule", "bookkeeping", "metrics", "input_prep")
+ENCODER = msgspec.msgpack.Encoder()
 
 
 class StepTimer:
@@ -128,45 +134,56 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
     if a.stub_forward:
         stub_forward(engine)
     add_requests(engine, n, a)
+    core = EngineCore(engine, transport=None)   # only its output builder runs here
+    core._num_sent.update((request_id, 0) for request_id in engine.requests)
     while not all_decoding(engine, n):
-        engine.step()
+        core_outputs(core, engine.step())
     for _ in range(a.warmup):
-        engine.step()
+        core_outputs(core, engine.step())
         engine.get_metrics()
     samples = []
     for _ in range(a.steps):
-        samples.append(timed_step(engine, timer))
+        samples.append(timed_step(engine, core, timer))
     # Median (robust to another process taking the CPU for a step) or, on a
     # busy shared machine, each part's best step.
     stat = statistics.median if a.stat == "median" else min
     return {part: stat(s[part] for s in samples) / 1e3 for part in samples[0]}
 
 
-def timed_step(engine: LLMEngine, timer: StepTimer) -> dict[str, int]:
+def core_outputs(core: EngineCore, touched: list) -> bytes:
+    """What the engine core builds and sends after a step (`EngineCore._step`)."""
+    return ENCODER.encode(core._outputs(touched))
+
+
+def timed_step(engine: LLMEngine, core: EngineCore, timer: StepTimer) -> dict[str, int]:
     timer.active = True
     start = time.perf_counter_ns()
-    engine.step()
+    touched = engine.step()
     step_ns = time.perf_counter_ns() - start
     engine.get_metrics()  # what the server publishes after every step
     metrics_ns = time.perf_counter_ns() - start - step_ns
     timer.active = False
+    out_start = time.perf_counter_ns()
+    core_outputs(core, touched)
+    out_ns = time.perf_counter_ns() - out_start
     ns = timer.take()
     launch, prep = ns.get("launch", 0), ns.get("input_prep", 0)
     return {"schedule": ns.get("schedule", 0),
             "bookkeeping": step_ns - ns.get("schedule", 0) - launch - ns.get("wait", 0),
-            "metrics": metrics_ns, "input_prep": prep,
+            "metrics": metrics_ns, "input_prep": prep, "core_out": out_ns,
             "launch_rest": launch - prep, "wait": ns.get("wait", 0)}
 
 
 def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
-    head = ("running", *HOST_PARTS, "host_total", "launch_rest*", "wait*")
+    head = ("running", *HOST_PARTS, "host_total", "core_out+", "launch_rest*", "wait*")
     print(" ".join(f"{h:>12}" for h in head))
     for n, r in rows.items():
         total = sum(r[p] for p in HOST_PARTS)
-        cells = [r[p] for p in HOST_PARTS] + [total, r["launch_rest"], r["wait"]]
+        cells = [r[p] for p in HOST_PARTS] + [total, r["core_out"], r["launch_rest"], r["wait"]]
         print(f"{n:>12} " + " ".join(f"{c:>12.1f}" for c in cells))
-    print(f"microseconds per step ({stat} over the timed steps); * not host bookkeeping: forward/sampling launch "
-          "(CPU: the compute) and the wait for the step in flight")
+    print(f"microseconds per step ({stat} over the timed steps); + serving's engine core adds it to every step "
+          "(not in host_total); * not host bookkeeping: forward/sampling launch (CPU: the compute) and the wait "
+          "for the step in flight")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -261,15 +261,16 @@ def test_core_sends_one_message_per_step_and_answers_adds_before_stepping(tiny_a
     assert "b0" not in engine.requests            # a rejected job adds none of its requests
     while engine.has_unfinished_requests():
         core.run_once()
-    steps = [m for m in transport.sent if m.outputs]
+    steps = [m for m in transport.sent if m.outputs or m.next_ids]
     for message in steps:                          # every request's token rides in the same message
-        assert sorted(o.request_id for o in message.outputs) == ["a0", "a1", "a2", "a3"]
+        assert sorted(o.request_id for o in message.every_output()) == ["a0", "a1", "a2", "a3"]
+    assert any(m.next_ids for m in steps) and any(m.outputs for m in steps)   # columns on steady steps
     tokens = {f"a{i}": [] for i in range(4)}
     for message in steps:
-        for out in message.outputs:
+        for out in message.every_output():
             tokens[out.request_id] += out.new_token_ids
     assert all(len(t) == 6 for t in tokens.values())
-    assert [o.finish_reason for o in steps[-1].outputs] == ["length"] * 4
+    assert [o.finish_reason for o in steps[-1].every_output()] == ["length"] * 4
     core.run_once()                    # idle: one final metrics snapshot
     assert transport.sent[-1].metrics["kv_cache_usage_perc"] == 0.0
     transport.inbox.append(CoreInputs(adds=[CoreJob("c", [_request("c0", _prompt(5), max_tokens=6)])]))
@@ -290,7 +291,7 @@ def test_core_abort_frees_blocks_and_stops_outputs(tiny_args):
     transport.inbox.append(CoreInputs(aborts=["a0"]))
     num_sent = len(transport.sent)
     core.run_once()
-    later = [o.request_id for m in transport.sent[num_sent:] for o in m.outputs]
+    later = [o.request_id for m in transport.sent[num_sent:] for o in m.every_output()]
     assert "a0" not in later and "a1" in later
     transport.inbox.append(CoreInputs(aborts=["a1", "never-added"]))
     for _ in range(3):

@@ -153,19 +153,33 @@ class EngineCore:
 
     # -- outputs -------------------------------------------------------------------
     def _step(self) -> None:
-        touched = self.engine.step()
-        outputs = [out for out in map(self._output, touched) if out is not None]
+        message = self._outputs(self.engine.step())
         now = time.monotonic()
-        metrics = None
         if now - self._last_metrics >= METRICS_INTERVAL_S:
-            metrics, self._last_metrics = self.engine.get_metrics(), now
-        if outputs or metrics is not None:
-            self.transport.send(CoreOutputs(outputs=outputs, metrics=metrics))
+            message.metrics, self._last_metrics = self.engine.get_metrics(), now
+        if message.outputs or message.next_ids or message.metrics is not None:
+            self.transport.send(message)
 
-    def _output(self, request) -> CoreOutput | None:
-        sent = self._num_sent.get(request.request_id)
-        if sent is None:   # aborted by the API side meanwhile
-            return None
+    def _outputs(self, touched: list) -> CoreOutputs:
+        """One message for the step. A running request's plain next tokens (no
+        logprobs, not its first output, not finishing: nearly every request on
+        nearly every step) go into the two columns; the rest get a CoreOutput."""
+        message = CoreOutputs()
+        next_ids, next_tokens, num_sent = message.next_ids, message.next_tokens, self._num_sent
+        for request in touched:
+            sent = num_sent.get(request.request_id)
+            if sent is None:   # aborted by the API side meanwhile
+                continue
+            if sent and request.sampling_params.logprobs is None and not request.status.is_finished:
+                tokens = request.output_token_ids[sent:]
+                num_sent[request.request_id] = sent + len(tokens)
+                next_ids.append(request.request_id)
+                next_tokens.append(tokens)
+            else:
+                message.outputs.append(self._output(request, sent))
+        return message
+
+    def _output(self, request, sent: int) -> CoreOutput:
         ids = request.output_token_ids
         logprobs = request.logprobs[sent:] if request.sampling_params.logprobs is not None else None
         first = sent == 0

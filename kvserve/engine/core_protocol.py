@@ -3,7 +3,9 @@
 The API side sends `CoreInputs`: a batch of jobs to add (token ids and
 sampling parameters, already tokenized) and request ids to abort. The core
 answers with `CoreOutputs`: one message per engine step carrying every
-request's new token ids (plus logprobs, finish reason, cached-token count),
+request's new token ids (plus logprobs, finish reason, cached-token count;
+a running request's plain next tokens travel as two columns, ids and tokens,
+so the core builds no struct per request on a steady decode step),
 the jobs it accepted or rejected since the last message, and now and then a
 metrics snapshot. Prompt logprobs, when a request asked, ride with its first
 output (its prompt is computed by then) as compact rows. A debug query (an id
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgspec
 
@@ -83,12 +85,23 @@ class DebugReply(msgspec.Struct, array_like=True):
 
 
 class CoreOutputs(msgspec.Struct, omit_defaults=True):
+    # Outputs that carry more than tokens: a first one, a finishing one, logprobs.
     outputs: list[CoreOutput] = []
+    # Every other request's new tokens, as columns (`every_output` joins both).
+    next_ids: list[str] = []
+    next_tokens: list[list[int]] = []
     accepted: list[str] = []
     rejected: list[Rejection] = []
     debug: list[DebugReply] = []
     metrics: dict[str, Any] | None = None
     error: str | None = None   # the core failed and is exiting
+
+    def every_output(self) -> Iterator[CoreOutput]:
+        """The step's outputs, the columns' ones as CoreOutputs with defaults
+        (no cached-token count: a request's first output carried it)."""
+        yield from self.outputs
+        for request_id, tokens in zip(self.next_ids, self.next_tokens):
+            yield CoreOutput(request_id, tokens)
 
 
 def _enc_hook(obj: Any) -> Any:

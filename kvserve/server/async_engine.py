@@ -279,7 +279,7 @@ class AsyncEngine:
         for rejection in message.rejected:
             self._on_rejected(rejection)
         now = time.monotonic()
-        for out in message.outputs:
+        for out in message.every_output():
             choice = self._choices.get(out.request_id)
             if choice is not None:
                 self._emit_safely(choice, out, now)
@@ -321,7 +321,8 @@ class AsyncEngine:
 
     def _emit(self, choice: _Choice, out: CoreOutput, now: float) -> None:
         self._observe_token_times(choice, out, now)
-        choice.num_cached_tokens = out.num_cached_tokens
+        if out.num_cached_tokens:   # set at first admission; the columns' outputs do not carry it
+            choice.num_cached_tokens = out.num_cached_tokens
         if choice.output.append(out.new_token_ids, out.new_logprobs, out.prompt_logprobs):
             self._choices.pop(choice.request_id, None)
             self._queue(aborts=[choice.request_id])   # the core does not know stop strings
