@@ -191,7 +191,7 @@ class ProcessCoreClient:
 
     @property
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        return not self._exited(0)
 
     @property
     def pid(self) -> int | None:
@@ -199,16 +199,24 @@ class ProcessCoreClient:
 
     def shutdown(self) -> None:
         self._stopping = True
-        if self.process.is_alive():
+        if not self._exited(0):
             self.send(CoreInputs(shutdown=True))
-            self.process.join(timeout=10)
-        if self.process.is_alive():
+        if not self._exited(10):
             logger.warning("engine core did not stop in 10 s; killing it")
             self.process.kill()
+            self._exited(5)
+        if self._reader is None:   # no watcher thread was started to reap it
             self.process.join(timeout=5)
-        if self._reader is not None:
+        else:
             self._reader.cancel()
         self._close_sockets()
+
+    def _exited(self, timeout_s: float) -> bool:
+        """Whether the core process has ended, read from its sentinel. Only the
+        watcher thread reaps it (`join`): a second thread's `join` or
+        `is_alive` races that waitpid, could see the ended process as alive,
+        and then kill a pid that is no longer its."""
+        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout_s))
 
     def _close_sockets(self) -> None:
         self._inputs.close(linger=0)
