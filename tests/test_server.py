@@ -221,6 +221,23 @@ def test_malformed_json_and_unknown_model(embedded):
         embedded.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
 
 
+def test_a_model_path_is_served_under_its_basename_and_as_given(tiny_path):
+    """vLLM's default served name is `--model` as given; kvserve's is the
+    basename. Both are listed and accepted; responses carry the basename."""
+    from kvserve.server.app import default_model_names
+    names = default_model_names(str(tiny_path))
+    assert names == [tiny_path.name, str(tiny_path)]
+    with LiveServer(build_app(EngineArgs(model=str(tiny_path), dtype="float32", device="cpu"), names)) as server:
+        listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+        assert listed == names
+        for name in names:
+            reply = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                               json={"model": name, "prompt": [5, 6, 7], "max_tokens": 2})
+            assert reply.status_code == 200 and reply.json()["model"] == tiny_path.name
+        error = _error(httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": [5]}), 404)
+        assert error["code"] == "model_not_found" and str(tiny_path) in error["message"]
+
+
 def test_metrics_exposes_the_documented_names(embedded):
     text = httpx.get(f"{embedded.url}/metrics").text
     for name in ("kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total",

@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,21 +43,27 @@ class ServerOptions:
     tool_call_parser: str = "hermes"   # how tool_choice="auto" reads calls (server/tools.py)
 
 
-def default_model_name(model: str | None) -> str:
+def default_model_names(model: str | None) -> list[str]:
+    """The model path's basename, then the path as given (vLLM's default name):
+    a client moving from vLLM may send either."""
     if model is None:
-        return EMBEDDED_SERVED_NAME
-    return os.path.basename(os.path.normpath(model)) or model
+        return [EMBEDDED_SERVED_NAME]
+    base = os.path.basename(os.path.normpath(model)) or model
+    return [base] if base == model else [base, model]
 
 
-def build_app(engine, served_model_name: str, max_waiting_requests: int | None = None,
+def build_app(engine, served_model_name: str | Sequence[str], max_waiting_requests: int | None = None,
               options: ServerOptions | None = None, engine_hook=None) -> FastAPI:
     """`engine`: EngineArgs (the core runs in its own process) or a built LLMEngine
-    (the core runs on a thread). `engine_hook(engine)` runs in the core once built."""
+    (the core runs on a thread). `engine_hook(engine)` runs in the core once built.
+    `served_model_name`: the name clients pass as `model`, or several (vLLM's
+    `--served-model-name A B`): each is accepted and listed; responses carry the first."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     options = options or ServerOptions()
     async_engine = AsyncEngine(engine, None, max_waiting_requests, engine_hook)
-    metrics = ServerMetrics(async_engine.cache_info, served_model_name, options.enable_vllm_metrics)
+    metrics = ServerMetrics(async_engine.cache_info, names[0], options.enable_vllm_metrics)
     async_engine.metrics = metrics
-    handler = GenerationHandler(async_engine, served_model_name, dict(options.generation_defaults),
+    handler = GenerationHandler(async_engine, names, dict(options.generation_defaults),
                                 options.tool_call_parser)
 
     @asynccontextmanager
@@ -69,7 +75,7 @@ def build_app(engine, served_model_name: str, max_waiting_requests: int | None =
     app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan)
     app.state.async_engine, app.state.metrics = async_engine, metrics
     _add_error_handlers(app)
-    _add_routes(app, handler, metrics, served_model_name)
+    _add_routes(app, handler, metrics, names)
     add_debug_routes(app, async_engine)  # GET /debug/kvserve (kvserve diagnose --url)
     _add_middleware(app, options)
     vocab_size = async_engine.engine.model_config.vocab_size
@@ -92,7 +98,7 @@ def _responses(*codes: int, stream: bool = False) -> dict[int | str, dict[str, A
     return out
 
 
-def _add_routes(app: FastAPI, handler: GenerationHandler, metrics: ServerMetrics, name: str) -> None:
+def _add_routes(app: FastAPI, handler: GenerationHandler, metrics: ServerMetrics, names: list[str]) -> None:
     created = int(time.time())
     generate = _responses(400, 401, 404, 500, 503, stream=True)
 
@@ -109,9 +115,10 @@ def _add_routes(app: FastAPI, handler: GenerationHandler, metrics: ServerMetrics
 
     @app.get("/v1/models", responses=_responses(401))
     async def models() -> dict:
-        card = {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
-                "max_model_len": handler.engine.engine.scheduler_config.max_model_len}
-        return {"object": "list", "data": [card]}
+        max_model_len = handler.engine.engine.scheduler_config.max_model_len
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "kvserve", "max_model_len": max_model_len}
+                                           for name in names]}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})

@@ -14,8 +14,9 @@ def add_serve_parser(sub: Any) -> None:
                        help="model to serve (same as --model; default: embedded SmolLM2-135M)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None,
-                       help="name clients pass as `model` (default: the model path's basename)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients pass as `model`; responses carry the first (default: the "
+                            "model path's basename and the path as given, which is vLLM's default)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="opt-in bound: requests allowed to wait beyond --max-num-seqs before "
                             "429 + Retry-After (default: unbounded, as vLLM)")
@@ -43,7 +44,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from kvserve.cli import engine_kwargs
     from kvserve.config import EngineArgs
-    from kvserve.server.app import build_app, default_model_name
+    from kvserve.server.app import build_app, default_model_names
 
     if a.model_tag is not None:
         if a.model is not None and a.model != a.model_tag:
@@ -52,9 +53,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.max_waiting_requests is not None and a.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {a.max_waiting_requests}")
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    name = a.served_model_name or default_model_name(a.model)
+    names = a.served_model_name or default_model_names(a.model)
     # The engine core is built in its own process from these args (kvserve/engine/core_process.py).
-    app = build_app(EngineArgs(**engine_kwargs(a), usage="server"), name, a.max_waiting_requests,
+    app = build_app(EngineArgs(**engine_kwargs(a), usage="server"), names, a.max_waiting_requests,
                     _server_options(a))
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0

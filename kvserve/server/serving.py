@@ -197,9 +197,9 @@ class _ChatFormat(_Format):
 
 
 class GenerationHandler:
-    def __init__(self, engine: AsyncEngine, model_name: str,
+    def __init__(self, engine: AsyncEngine, model_names: list[str],
                  generation_defaults: dict[str, Any] | None = None, tool_call_parser: str = "hermes") -> None:
-        self.engine, self.model_name = engine, model_name
+        self.engine, self.model_name, self.model_names = engine, model_names[0], frozenset(model_names)
         self.defaults = dict(generation_defaults or {})
         self.tool_call_parser = tool_calls.check_parser(tool_call_parser)   # the auto tool-call form
         # The HTTP side's own copy: a fast tokenizer must not be used by two threads at once.
@@ -259,9 +259,10 @@ class GenerationHandler:
         return self.tokenizer
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.model_name}`.", param="model", code="model_not_found")
+        if model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in sorted(self.model_names))
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
+                           param="model", code="model_not_found")
 
     # -- prompts and constraints ---------------------------------------------------------
     def _prompt_text(self, prompt: str | list[int]) -> str:
