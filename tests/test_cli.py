@@ -18,6 +18,9 @@ def test_bad_input_exits_with_clear_error(capsys, tmp_path):
     assert "max_tokens must be at least 1, got 0" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
+    # --served-model-name takes several names: a model path after it would become one.
+    assert main(["serve", "--served-model-name", "m", str(tmp_path)]) == 2
+    assert "put the model path before --served-model-name" in capsys.readouterr().err
 
 
 def test_bench_throughput_runs(capsys, tmp_path):

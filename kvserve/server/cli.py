@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 
@@ -52,6 +53,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         a.model = a.model_tag
     if a.max_waiting_requests is not None and a.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {a.max_waiting_requests}")
+    _check_served_names(a)
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = a.served_model_name or default_model_names(a.model)
     # The engine core is built in its own process from these args (kvserve/engine/core_process.py).
@@ -59,6 +61,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
                     _server_options(a))
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
+
+
+def _check_served_names(a: argparse.Namespace) -> None:
+    """`--served-model-name` takes several names, so `--served-model-name m
+    /models/x` swallows the model path as a second name (as in vLLM): refuse
+    that instead of serving the embedded model under the path's name."""
+    if a.model is None and any(os.path.isdir(name) for name in (a.served_model_name or [])[1:]):
+        raise ValueError(f"--served-model-name {' '.join(a.served_model_name)}: a name is a directory and no "
+                         f"model was given; put the model path before --served-model-name or use --model")
 
 
 def _server_options(a: argparse.Namespace):
