@@ -318,9 +318,11 @@ class KVCacheManager:
         if moved:
             self._held.fill.advance_sole_tails(room[2], moved)
             self._num_tokens[request_id] = total
-        if total == room[1]:  # the tail is full: cached now, the next token needs a new block
+        if total == room[1]:  # the tail is full: the next token needs a new block
             del self._room[request_id]
-            if self.enable_prefix_caching:
+            # Cached now if its tokens are known; in pipelined decode the last one is
+            # still on the device, and the next allocation caches the block.
+            if self.enable_prefix_caching and request.num_known_tokens >= total:
                 self._cache_full_blocks(request, total)
         return True
 
