@@ -288,7 +288,7 @@ class KVCacheManager:
 
     def _set_room(self, request_id: str, end: int) -> None:
         """Remember how far the request's end can move with nothing to do but
-        move it (and cache the tail once it is full): within its tail block
+        move it (and cache the tail once it is full of known tokens): within its tail block
         (past it a block must be allocated: slow path), where every group's tail
         is held by this request alone and is not in the hash map (only cached
         blocks gain holders), and never in a model whose groups drop blocks as
