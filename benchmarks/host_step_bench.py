@@ -186,7 +186,7 @@ def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
           "for the step in flight")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="dummy:tiny-llama")
     p.add_argument("--device", default="cpu")
@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="per part over the timed steps (min: each part's best step, for busy machines)")
     p.add_argument("--stub-forward", action="store_true",
                    help="zeros instead of the transformer layers (host parts unchanged)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     rows = {n: measure(a, n) for n in (int(x) for x in a.running.split(","))}
     print(f"model={a.model} device={a.device} prompt_len={a.prompt_len}(+0..{a.block_size - 1}) "
           f"block_size={a.block_size} steps={a.steps} stub_forward={a.stub_forward}")

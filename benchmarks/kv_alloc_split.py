@@ -59,10 +59,8 @@ def main() -> None:
     p.add_argument("--running", type=int, default=256)
     p.add_argument("--steps", type=int, default=48)
     a = p.parse_args()
-    args = argparse.Namespace(
-        model="dummy:tiny-llama", device="cpu", dtype="auto", prompt_len=1024, block_size=16,
-        num_kv_blocks=None, max_num_batched_tokens=8192, hf_overrides='{"max_position_embeddings": 4096}',
-        warmup=8, steps=a.steps, enforce_eager=False, stub_forward=True)
+    # host_step_bench's setting: its defaults, stub forward, this many steps.
+    args = hb.parse_args(["--running", str(a.running), "--steps", str(a.steps), "--stub-forward"])
     engine = hb.build_engine(args, a.running)
     hb.stub_forward(engine)
     hb.add_requests(engine, a.running, args)

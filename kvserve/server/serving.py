@@ -319,7 +319,7 @@ class GenerationHandler:
         meta = {"id": f"{fmt.id_prefix}-{request_id}", "created": int(time.time()), "model": self.model_name}
         if body.is_stream:
             return _ClosingStream(self._stream(sub, fmt, meta, prompt_lens, body.include_usage),
-                                     media_type="text/event-stream")
+                                  media_type="text/event-stream")
         collect = asyncio.ensure_future(self._collect(sub, job))
         choices = await _unless_disconnected(collect, http)
         return JSONResponse({**meta, "object": fmt.object_name,
