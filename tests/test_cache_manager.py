@@ -203,3 +203,20 @@ def test_reset_prefix_cache():
     manager.free(request)
     assert manager.reset_prefix_cache()
     assert _admit(manager, _request("b", list(range(9)))) == 0
+
+
+def test_a_block_filled_by_a_pending_token_is_cached_when_the_next_block_opens():
+    """Pipelined decode: the token that fills a block is still on the device
+    when the block fills, so the allocation that opens the next block (one
+    token later) must cache it; a new request then hits it at once."""
+    manager = KVCacheManager(make_kv_cache_groups([FULL] * 2), num_blocks=32, block_size=4)
+    a = _request("a", [1, 2, 3, 4, 5, 6])
+    _admit(manager, a)
+    for token in (7, 8):  # the step for position p is scheduled before token p is known
+        assert manager.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+        a.output_token_ids.append(token)
+    assert manager.get_computed_blocks(_request("x", list(range(1, 10))))[1] == 4
+    assert manager.allocate_slots(a, 1)  # opens block 2: block 1 ([5, 6, 7, 8]) is known now
+    manager.check_integrity()
+    assert manager.get_computed_blocks(_request("b", list(range(1, 10))))[1] == 8

@@ -19,6 +19,7 @@ from kvserve.cache.block_pool import NULL_BLOCK_ID
 from kvserve.cache.block_table_rows import BlockTableRows
 
 if TYPE_CHECKING:
+    from kvserve.cache.block_pool import KVBlock
     from kvserve.cache.managers import SingleTypeManager
 
 
@@ -167,6 +168,18 @@ class HeldTables:
                     self.fill.add(block_id, self.fill.fill(index, end))
             if len(table) > start:
                 self.rows.append(request_id, group, start, table[start:])
+
+    def append_fresh(self, request_id: str, index: int, blocks: Sequence[KVBlock]) -> list[dict[int, int]]:
+        """Each group's table gains entry `index`: its block in `blocks`, new
+        (no other holder), holding one token. Returns their fill counters, the
+        request's sole tails (`sole_tails`)."""
+        fill, tails = self.fill, []
+        for group, (table, block) in enumerate(zip(self._ids[request_id], blocks)):
+            table.append(block.block_id)
+            fill.add(block.block_id, 1)
+            self.rows.append(request_id, group, index, [block.block_id])
+            tails.append(fill._fills[block.block_id])
+        return tails
 
     def forget(self, request_id: str, end: int) -> None:
         self.rows.release(request_id)

@@ -261,6 +261,8 @@ class KVCacheManager:
         if (computed is None or computed.num_tokens == 0) and self._move_within_tail(request, num_new_tokens):
             return True  # the common decode step: nothing to allocate or free
         hit = computed if computed is not None and computed.num_tokens > 0 else None
+        if hit is None and self._open_next_block(request, num_new_tokens, reserve):
+            return True  # a decode step crossing into a new block: 1 in block_size steps
         if hit is not None:
             self._check_hit_usable(request, hit)
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
@@ -280,6 +282,8 @@ class KVCacheManager:
                      computed: ComputedBlocks | None = None, reserve: int = 0) -> bool:
         """Whether `allocate_slots` with these arguments would succeed; changes nothing."""
         hit = computed if computed is not None and computed.num_tokens > 0 else None
+        if hit is None and self._open_next_block(request, num_new_tokens, reserve):
+            return True  # a decode step crossing into a new block: 1 in block_size steps
         if hit is not None:
             self._check_hit_usable(request, hit)
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
@@ -324,6 +328,28 @@ class KVCacheManager:
             # still on the device, and the next allocation caches the block.
             if self.enable_prefix_caching and request.num_known_tokens >= total:
                 self._cache_full_blocks(request, total)
+        return True
+
+    def _open_next_block(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
+        """The general path's work, done directly, for the one token that opens
+        the next block of every group: each table is full up to its end, so
+        each group gets one fresh block, solely held, which becomes the room
+        (`_set_room`). False, changing nothing, for any other allocation."""
+        request_id = request.request_id
+        end = self._num_tokens.get(request_id)
+        total, block_size = request.num_computed_tokens + num_new_tokens, self.block_size
+        if (end is None or total != end + 1 or end % block_size or block_size == 1
+                or self._drops_blocks or len(self.managers) + reserve > self.pool.num_free_blocks):
+            return False
+        index = end // block_size
+        if any(len(m.blocks(request_id)) != index for m in self.managers):
+            return False
+        blocks = [m.append_new_block(request_id) for m in self.managers]
+        tails = self._held.append_fresh(request_id, index, blocks)
+        self._num_tokens[request_id] = total
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, total)
+        self._room[request_id] = (end + 1, end + block_size, tails)
         return True
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,

@@ -92,6 +92,12 @@ class SingleTypeManager(abc.ABC):
         table = self.req_to_blocks.setdefault(request_id, [])
         table.extend(self.pool.get_new_blocks(self.num_new_blocks(request_id, num_tokens, 0)))
 
+    def append_new_block(self, request_id: str) -> KVBlock:
+        """One fresh block at the end of the request's table (it holds one)."""
+        block = self.pool.get_new_blocks(1)[0]
+        self.req_to_blocks[request_id].append(block)
+        return block
+
     def cache_full_blocks(self, request_id: str, block_hashes: Sequence[bytes],
                           token_ids: Sequence[int], num_tokens: int) -> None:
         """Register blocks full of known tokens within [0, num_tokens). NULL
