@@ -1,0 +1,116 @@
+"""What a prompt chunk beside running decodes costs a step: decode-only steps against mixed steps
+at the same batch, the regime of a server under Poisson arrivals (ide-completion: ~50 running,
+~1K-token contexts, a new prompt every other step whose 700-token file prefix is cached).
+
+N requests decode (prompt: one of 4 shared 700-token prefixes plus a unique suffix). Then:
+  decode   steps with the N decoding, nothing admitted;
+  mixed-S  each step admits one new request (a cached prefix plus S new tokens) and aborts the
+           oldest, so the batch stays at N decodes plus one S-token chunk.
+Each phase's ms per step is wall clock over its steps after one warm-up step (pipelined steps
+under CUDA graphs: the device time per step once the device is the bottleneck). `--profile`
+adds a torch.profiler pass per phase: the top device kernels' microseconds per step.
+
+    python3 benchmarks/mixed_step_bench.py --model dummy:qwen3-8b --device cuda --profile
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+
+PREFIX_LEN = 700
+
+
+def build(a: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=a.model, device=a.device, dtype=a.dtype, max_model_len=4096,
+                                max_num_seqs=max(a.running * 2, 64), max_num_batched_tokens=8192,
+                                load_format="dummy", usage="server", enforce_eager=a.enforce_eager,
+                                gpu_memory_utilization=0.85,
+                                hf_overrides=json.loads(a.hf_overrides) if a.hf_overrides else None))
+
+
+class Traffic:
+    """Prompts over 4 shared prefixes; keeps the batch at `running` decodes."""
+
+    def __init__(self, engine: LLMEngine, a: argparse.Namespace) -> None:
+        self.engine, self.rng = engine, random.Random(0)
+        vocab = engine.model_config.vocab_size
+        self.prefixes = [[self.rng.randrange(3, vocab) for _ in range(PREFIX_LEN)] for _ in range(4)]
+        self.vocab, self.order = vocab, []
+        self.params = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.0)
+
+    def add(self, new_tokens: int) -> None:
+        prompt = self.rng.choice(self.prefixes) + [self.rng.randrange(3, self.vocab) for _ in range(new_tokens)]
+        request = self.engine.make_request(prompt, self.params)
+        self.engine.add_request(request)
+        self.order.append(request.request_id)
+
+    def swap_one(self, new_tokens: int) -> None:
+        self.engine.abort_request(self.order.pop(0))
+        self.add(new_tokens)
+
+
+def timed(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | None) -> float:
+    """ms per step over `steps` steps (one warm-up step first)."""
+    def one() -> None:
+        if new_tokens is not None:
+            traffic.swap_one(new_tokens)
+        engine.step()
+    one()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    for _ in range(steps):
+        one()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def top_kernels(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | None,
+                top: int) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+    from torch.autograd import DeviceType
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed(engine, traffic, steps, new_tokens)
+    rows = [(e.key, e.self_device_time_total / (steps + 1)) for e in prof.key_averages()
+            if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dummy:qwen3-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--running", type=int, default=48)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--chunks", default="16,200", help="new tokens of the admitted prompt, per mixed phase")
+    p.add_argument("--hf-overrides", default=None, help="JSON merged into the model config")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    engine = build(a)
+    traffic = Traffic(engine, a)
+    for _ in range(a.running):
+        traffic.add(200 + traffic.rng.randrange(100))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    phases = [("decode", None)] + [(f"mixed-{s}", int(s)) for s in a.chunks.split(",")]
+    print(f"model={a.model} running={a.running} steps={a.steps} graphs={'off' if a.enforce_eager else 'on'}")
+    for name, new_tokens in phases:
+        print(f"{name:>10}: {timed(engine, traffic, a.steps, new_tokens):7.2f} ms/step")
+    if a.profile:
+        for name, new_tokens in phases:
+            print(f"-- {name}: device us per step, top kernels")
+            for kernel, us in top_kernels(engine, traffic, 10, new_tokens, 8):
+                print(f"   {us:9.1f}  {kernel[:90]}")
+
+
+if __name__ == "__main__":
+    main()
