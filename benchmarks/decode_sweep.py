@@ -1,5 +1,5 @@
 """Decode-attention config sweep at the batches and contexts the KV-pressure runs decode at
-(H200 session 3): which (block_n, num_stages, num_warps, waves) reads the paged cache fastest.
+(H200, 2026-11-29): which (block_n, num_stages, num_warps, waves) reads the paged cache fastest.
 
   python3 benchmarks/decode_sweep.py [--page 16] [--batches 8 24 48] [--contexts 1024 2048 3712 8192]
   python3 benchmarks/decode_sweep.py --table 64/3/4/4 32/4/2/8 ...   # block_n/stages/warps/waves

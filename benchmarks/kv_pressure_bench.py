@@ -1,6 +1,6 @@
-"""Same-session comparison driver, kvserve or vLLM on the Qwen3-8B shape (dummy weights),
-same prompts for both: issue 4's KV-pressure workloads (multi-turn code review, IDE
-completion) under a KV cap, and issue 5's anchor throughput and batch-1 latency. Several
+"""Same-lease comparison driver, kvserve or vLLM on the Qwen3-8B shape (dummy weights),
+same prompts for both: the KV-pressure workloads (multi-turn code review, IDE completion)
+under a KV cap, and the anchor workload's throughput and batch-1 latency. Several
 workloads run in one engine (one start-up) with the prefix cache reset between them.
 
   python3 benchmarks/kv_pressure_bench.py --engine kvserve|vllm --workload code-review,ide [--cap-tokens 65536]
@@ -136,7 +136,7 @@ def anchor_prompts():
 
 
 def anchor(_rng):
-    """Issue 5's anchor: 256 x 512 in / 128 out, after an 8-prompt warm-up."""
+    """The anchor workload: 256 x 512 in / 128 out, after an 8-prompt warm-up."""
     prompts = anchor_prompts()
     return lambda: iter([(prompts[:8], 128, lambda outs: None), (prompts, 128, lambda outs: None)])
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The same-device-session comparison with vLLM 0.26.0 (issues 4 and 5), in stages, one device
-# call each, back to back (the machine is given back after ~30 s idle). Repo root on the GPU machine.
+# The same-device-lease comparison with vLLM 0.26.0 (the KV-pressure workloads, the anchor
+# throughput and batch-1 latency), in stages, one device call each, back to back (the machine is
+# given back after ~30 s idle). Repo root on the GPU machine.
 #   tests          GPU tests
 #   vllm-capped    vLLM: code review + IDE under the 65,536-token KV cap (one engine start)
 #   vllm-uncapped  vLLM: code review uncapped + anchor throughput + batch-1 latency (one start; W= picks)

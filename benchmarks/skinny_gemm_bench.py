@@ -1,5 +1,6 @@
 """Skinny-GEMM (decode, M <= 8) Triton kernel vs cuBLAS on the Qwen3-8B projection shapes:
-`python3 benchmarks/skinny_gemm_bench.py` (an exploration; see docs/BENCHMARKS.md, 2026-11-29 session 2)."""
+`python3 benchmarks/skinny_gemm_bench.py` (an exploration; see docs/BENCHMARKS_HISTORY.md,
+"Diagnostics after run 4", 2026-11-29, H200)."""
 import torch, triton, triton.language as tl
 
 

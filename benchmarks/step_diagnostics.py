@@ -1,4 +1,5 @@
-"""Device diagnostics behind the 2026-11-29 session-2 notes in docs/BENCHMARKS.md (H200):
+"""Device diagnostics behind the 2026-11-29 H200 notes ("Diagnostics after run 4" in
+docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS.md):
 
   python3 benchmarks/step_diagnostics.py copy      # KVTransfer speed vs batch size and slot order
   python3 benchmarks/step_diagnostics.py pcie      # raw pinned H2D / D2H bandwidth
