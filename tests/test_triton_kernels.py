@@ -114,8 +114,7 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
 
     fused_write (decode batches): the decode kernel writes the new K/V itself;
     the cache afterwards must equal a torch index-copy write, bit for bit."""
-    from kvserve.attention.kernels import (decode_attention, prefill_attention,
-                                           reshape_and_cache)
+    from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
     from kvserve.attention.torch_ref import write_kv
     from kvserve.attention.triton_backend import mask_bounds
     gen = torch.Generator().manual_seed(seed)
@@ -136,8 +135,8 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
         if fused_write:
             extra["new_kv"] = (k, v, meta.slot_mappings[0])
         decode_attention(*args, meta.max_seq_len, layer.scale, window, sink, **extra)
-    else:
-        prefill_attention(*args, meta.max_query_len, layer.scale, window, sink)
+    else:  # what the backend runs: one-query rows to the decode kernel, the rest varlen
+        mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink)
     # NaN == NaN here: never-written slots must stay exactly as they were.
     assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"
     return _rel_err(out, ref, meta)
@@ -214,6 +213,12 @@ def test_decode_fixed_split_counts(num_splits, fused_write):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_mixed_batch_rows_go_to_their_kernel(block_size):
+    check_row_ownership("cuda", torch.bfloat16, heads=32, kv_heads=8, head_dim=128, block_size=block_size)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqs", [MIXED, LONG_DECODES], ids=["mixed", "decode"])
 def test_backend_forward_matches_torch(seqs):
     spec = SlidingWindowSpec(window=300, sink=4)
@@ -265,6 +270,45 @@ def interpreter_smoke() -> None:
                                   dtype=torch.float16, fused_write=fused_write,
                                   decode_config=DecodeConfig(split_block_n=16, num_splits=num_splits))
             assert err < TOL, (num_splits, fused_write, err)
+    for block_size in (8, 16):
+        check_row_ownership("cpu", torch.float16, block_size=block_size)
+
+
+def check_row_ownership(device: str, dtype, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                        block_size: int = 8) -> None:
+    """In a mixed batch each kernel writes exactly its own rows: the varlen
+    kernel (single_queries=False) every sequence with a longer query, the
+    decode kernel (single_only=True) the one-query sequences; each row it
+    writes matches the float32 reference and the others stay poisoned."""
+    from kvserve.attention.kernels import decode_attention, prefill_attention, reshape_and_cache
+    from kvserve.attention.kernels.decode import DecodeConfig
+    from kvserve.attention.triton_backend import mask_bounds
+    spec = SlidingWindowSpec(window=9, sink=3) if block_size == 16 else FullAttentionSpec()
+    seqs = [(0, 13), (20, 1), (5, 7), (40, 1), (70, 1), (0, 1)]
+    gen = torch.Generator().manual_seed(block_size)
+    meta, kv_cache, q, k, v = _build_batch(seqs, spec, block_size, heads, kv_heads, head_dim, device, gen, dtype)
+    layer = _layer(spec, heads, kv_heads, head_dim)
+    ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
+    reshape_and_cache(k, v, kv_cache, meta.slot_mappings[0])
+    window, sink = mask_bounds(layer)
+    starts = meta.query_start_loc.tolist()
+    single = [n == 1 for _, n in seqs]
+    for owns_single, run in (
+            (False, lambda out: prefill_attention(q, kv_cache, out, meta.block_tables[0], meta.query_start_loc,
+                                                  meta.seq_lens, meta.max_query_len, layer.scale, window, sink,
+                                                  single_queries=False)),
+            (True, lambda out: decode_attention(q, kv_cache, out, meta.block_tables[0], meta.query_start_loc,
+                                                meta.seq_lens, meta.max_seq_len, layer.scale, window, sink,
+                                                config=DecodeConfig(split_block_n=16, num_splits=3),
+                                                single_only=True))):
+        out = torch.full_like(q, float("nan"))
+        run(out)
+        for i, (a, b) in enumerate(zip(starts, starts[1:])):
+            if single[i] != owns_single:
+                assert torch.isnan(out[a:b]).all(), (owns_single, i, "wrote a row of the other kernel")
+                continue
+            err = float((out[a:b].float() - ref[a:b]).norm() / ref[a:b].norm())
+            assert err < TOL, (owns_single, i, err)
 
 
 def test_tiny_shapes_under_interpreter():

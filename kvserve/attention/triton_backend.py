@@ -1,9 +1,10 @@
 """The Triton attention backend: paged KV write + prefill / decode kernels.
 
 Owns the choice of kernel per batch: decode-only batches (max_query_len == 1)
-go to the split-KV decode kernel, any batch with a longer query (prefill,
-chunked prefill, or prefill mixed with decodes) to the varlen prefill kernel,
-which handles one-token queries too. Decode batches write their new K/V
+go to the split-KV decode kernel. In any batch with a longer query (prefill,
+chunked prefill, or prefill mixed with decodes) the one-query sequences still
+go to the decode kernel and the rest to the varlen prefill kernel
+(`kernels/mixed.py`). Decode batches write their new K/V
 inside the decode kernel; other batches run the cache-write kernel first.
 Grid sizes come from the metadata's host
 copies, so forward issues no host-device synchronisation.
@@ -14,7 +15,7 @@ import torch
 import triton  # noqa: F401  (an ImportError here keeps the backend unregistered)
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
-from kvserve.attention.kernels import decode_attention, prefill_attention, reshape_and_cache
+from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -37,8 +38,8 @@ class TritonAttentionBackend:
             return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink,
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)
-        return prefill_attention(*args, meta.max_query_len, layer.scale, window, sink,
-                                 tiles=meta.prefill_tiles)
+        return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
+                               tiles=meta.prefill_tiles)
 
 
 def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:

@@ -54,6 +54,11 @@ class DecodeConfig:
 
 
 @triton.jit
+def _query_len(query_start_loc_ptr, seq):
+    return tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
+
+
+@triton.jit
 def _split_range(num_keys, split, num_splits, BLOCK_N: tl.constexpr):
     """[start, end) of this split's keys. Each sequence divides its own keys
     evenly over the splits: the grid is planned for the longest context (in a
@@ -113,10 +118,14 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WRITE_NEW: tl.constexpr, DIRECT: tl.constexpr,
+    SINGLE_ONLY: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if SINGLE_ONLY:  # a mixed batch: the varlen kernel owns every longer query
+        if _query_len(query_start_loc_ptr, seq) != 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
@@ -187,10 +196,13 @@ def _store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq,
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
     num_splits, NUM_HEADS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SINGLE_ONLY: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if SINGLE_ONLY:
+        if _query_len(query_start_loc_ptr, seq) != 1:
+            return
     splits = tl.arange(0, SPLITS_POW2)
     split_valid = splits < num_splits
     row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
@@ -235,13 +247,18 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                      seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                      window: int | None, sink: int,
                      config: DecodeConfig = DecodeConfig(),
-                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     single_only: bool = False) -> torch.Tensor:
     """q/out: [num_seqs, H, D], one query per sequence.
 
     Without `new_kv` the cache already holds every key, the step's own
     included. With `new_kv = (k, v, slot_mapping)` ([num_seqs, KVH, D] twice,
     [num_seqs] int64) the step's own key comes from k/v and is written to the
     cache by this launch (fusing the cache write); a negative slot skips it.
+
+    `single_only`: q/out are a mixed batch's [T, H, D]; only the sequences
+    with exactly one query are attended (their output rows written), the
+    others are left to the varlen kernel (`prefill_attention(single_queries=False)`).
     """
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
@@ -268,11 +285,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=kv_cache.shape[2], BLOCK_N=block_n,
         SLIDING=window is not None, DOT_PRECISION=dot_precision(kv_cache.dtype),
-        WRITE_NEW=new_kv is not None, DIRECT=direct,
+        WRITE_NEW=new_kv is not None, DIRECT=direct, SINGLE_ONLY=single_only,
         num_warps=num_warps, num_stages=num_stages)
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
             num_splits, NUM_HEADS=num_heads,
-            SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
+            SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+            SINGLE_ONLY=single_only)
     return out

@@ -89,7 +89,7 @@ def _prefill_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_head, tile_seq_ptr, tile_q_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TILED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
 ):
     if TILED:
         seq = tl.load(tile_seq_ptr + tl.program_id(0))
@@ -105,6 +105,9 @@ def _prefill_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
+    if SKIP_SINGLE:  # one-query rows go to the decode kernel (`decode_attention(single_only=True)`)
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_M)
@@ -139,9 +142,12 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
                       seq_lens: torch.Tensor, max_query_len: int, scale: float,
                       window: int | None, sink: int,
                       config: PrefillConfig = PrefillConfig(),
-                      tiles: PrefillTiles | None = None) -> torch.Tensor:
+                      tiles: PrefillTiles | None = None,
+                      single_queries: bool = True) -> torch.Tensor:
     """q/out: [T, H, D]; the cache already holds this step's K/V. With
-    `tiles`, the grid is the tile table's length, whatever the batch."""
+    `tiles`, the grid is the tile table's length, whatever the batch.
+    `single_queries=False` leaves the sequences with one query alone (their
+    output rows unwritten), for the decode kernel to attend."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[3]
@@ -163,5 +169,6 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
         DOT_PRECISION=dot_precision(kv_cache.dtype), TILED=tiles is not None,
+        SKIP_SINGLE=not single_queries,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

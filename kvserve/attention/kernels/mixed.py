@@ -1,0 +1,33 @@
+"""Attention for a mixed batch: prompt chunks beside one-query (decode) sequences.
+
+Each kernel takes the rows it is built for: the split-KV decode kernel the
+sequences with one query, the varlen kernel every longer query. The varlen
+kernel alone would give a decode row a whole BLOCK_M-row query tile of which
+it fills GROUP rows, and one program walking its whole context: on an H200
+(48 decodes at ~1K keys beside a 16-token chunk, Qwen3-8B shape) it took
+3.9 ms of the step's device time where the decode kernel takes 1.2 ms for
+the same rows (`benchmarks/mixed_step_bench.py`). The cache holds the step's
+K/V before this runs (`reshape_and_cache`).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.kernels.decode import decode_attention
+from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
+from kvserve.attention.metadata import PrefillTiles
+
+
+def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
+                    window: int | None, sink: int, tiles: PrefillTiles | None = None,
+                    prefill_config: PrefillConfig = PrefillConfig()) -> torch.Tensor:
+    """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
+    longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
+    are built for `prefill_config`'s query tile."""
+    decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, max_seq_len,
+                     scale, window, sink, single_only=True)
+    return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens,
+                             max_query_len, scale, window, sink, config=prefill_config, tiles=tiles,
+                             single_queries=False)
