@@ -220,3 +220,17 @@ def test_a_block_filled_by_a_pending_token_is_cached_when_the_next_block_opens()
     assert manager.allocate_slots(a, 1)  # opens block 2: block 1 ([5, 6, 7, 8]) is known now
     manager.check_integrity()
     assert manager.get_computed_blocks(_request("b", list(range(1, 10))))[1] == 8
+
+
+def test_can_allocate_at_a_block_boundary_changes_nothing():
+    """`can_allocate` is a question: at the token that would open a new block
+    (the allocation's direct path) it answers without taking the block."""
+    manager = KVCacheManager(make_kv_cache_groups([FULL] * 2), num_blocks=32, block_size=4)
+    a = _request("a", list(range(8)))
+    _admit(manager, a)
+    a.output_token_ids.append(9)
+    free, ids = manager.num_free_blocks, manager.get_block_ids("a")
+    assert manager.can_allocate(a, 1)
+    assert manager.num_free_blocks == free and manager.get_block_ids("a") == ids
+    manager.check_integrity()
+    assert manager.allocate_slots(a, 1) and manager.num_free_blocks == free - len(manager.managers)

@@ -282,8 +282,6 @@ class KVCacheManager:
                      computed: ComputedBlocks | None = None, reserve: int = 0) -> bool:
         """Whether `allocate_slots` with these arguments would succeed; changes nothing."""
         hit = computed if computed is not None and computed.num_tokens > 0 else None
-        if hit is None and self._open_next_block(request, num_new_tokens, reserve):
-            return True  # a decode step crossing into a new block: 1 in block_size steps
         if hit is not None:
             self._check_hit_usable(request, hit)
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
