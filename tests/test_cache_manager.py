@@ -1,6 +1,7 @@
 """KVCacheManager: prefix hits, sliding-window memory bound, hybrid groups."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -234,3 +235,21 @@ def test_can_allocate_at_a_block_boundary_changes_nothing():
     assert manager.num_free_blocks == free and manager.get_block_ids("a") == ids
     manager.check_integrity()
     assert manager.allocate_slots(a, 1) and manager.num_free_blocks == free - len(manager.managers)
+
+
+def test_a_compressed_group_gets_a_block_only_where_a_window_ends():
+    """A full group beside a 1/16 compressed group at 8-token blocks (no group
+    drops blocks): every block opening gives the full group a block, the
+    compressed one only every other slot (NULL between), as its policy says."""
+    from kvserve.cache.block_pool import NULL_BLOCK_ID
+    importlib.import_module("kvserve.cache.compressed_managers")  # registers the compressed policy
+    from kvserve.cache.v4_specs import CompressedSpec
+    groups = [KVCacheGroup(FULL, (0,)), KVCacheGroup(CompressedSpec(16, False), (1,))]
+    manager = KVCacheManager(groups, num_blocks=64, block_size=8)
+    a = _request("a", list(range(5)))
+    _admit(manager, a)
+    for token in range(40):
+        _decode(manager, a, 100 + token)
+    full, compressed = manager.get_block_ids("a")
+    assert len(full) == len(compressed) == 6 and NULL_BLOCK_ID not in full
+    assert [b != NULL_BLOCK_ID for b in compressed] == [False, True] * 3

@@ -330,18 +330,21 @@ class KVCacheManager:
 
     def _open_next_block(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
         """The general path's work, done directly, for the one token that opens
-        the next block of every group: each table is full up to its end, so
-        each group gets one fresh block, solely held, which becomes the room
-        (`_set_room`). False, changing nothing, for any other allocation."""
+        the next block of every group: each table is full up to its end and its
+        policy asks for one block, so each group gets one fresh block, solely
+        held, which becomes the room (`_set_room`). False, changing nothing,
+        for any other allocation."""
         request_id = request.request_id
         end = self._num_tokens.get(request_id)
         total, block_size = request.num_computed_tokens + num_new_tokens, self.block_size
         if (end is None or total != end + 1 or end % block_size or block_size == 1
                 or self._drops_blocks or len(self.managers) + reserve > self.pool.num_free_blocks):
             return False
-        index = end // block_size
-        if any(len(m.blocks(request_id)) != index for m in self.managers):
+        # Each group's own policy must ask for exactly this one block (a compressed
+        # group holds the NULL block where no window ends).
+        if any(m.num_new_blocks(request_id, total, 0) != 1 for m in self.managers):
             return False
+        index = end // block_size
         blocks = [m.append_new_block(request_id) for m in self.managers]
         tails = self._held.append_fresh(request_id, index, blocks)
         self._num_tokens[request_id] = total
