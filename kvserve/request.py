@@ -30,11 +30,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED  # a set built once: the class's members cost ~0.2 us a lookup
+        return self in _FINISHED
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+# A tuple, not a set: `in` compares identities first, where a set would hash the
+# member through Enum.__hash__, Python code (0.16 against 0.07 us; asked twice
+# per running request per step).
+_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass
@@ -143,4 +146,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED  # not status.is_finished: one property call less (hot)

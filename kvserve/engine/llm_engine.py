@@ -240,8 +240,9 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if params.stop_strings and self._hit_stop_string(request):
             return RequestStatus.FINISHED_STOPPED
-        if (request.num_output_tokens >= params.max_tokens
-                or request.num_prompt_tokens + request.num_output_tokens >= self.scheduler_config.max_model_len):
+        num_output = len(request.output_token_ids)  # not the properties: once per token (hot)
+        if (num_output >= params.max_tokens
+                or len(request.prompt_token_ids) + num_output >= self.scheduler_config.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 
