@@ -83,14 +83,17 @@ def test_decode_bytes_match_a_brute_force_count():
     tally = DecodeBytes(specs, bytes_per_token=10)
     step = lambda *rows: SimpleNamespace(is_empty=False, scheduled=[  # noqa: E731
         SimpleNamespace(num_new_tokens=n, start_pos=p) for n, p in rows])
-    tally.observe(step((1, 19), (1, 5)))      # contexts 20 and 6
-    tally.observe(step((1, 30), (7, 0)))      # a mixed step: not decode-only, not counted
+    on_gpu = DecodeBytes(specs, bytes_per_token=10, mixed_rows=True)
+    for t in (tally, on_gpu):
+        t.observe(step((1, 19), (1, 5)))      # contexts 20 and 6
+        t.observe(step((1, 30), (7, 0)))      # a mixed step: its one-query row (context 31) on a GPU only
     # Brute force: a query at position p sees key k when k <= p and (p - k < window or k < sink).
     def visible(spec, n):
         p = n - 1
         window, sink = getattr(spec, "window", n), getattr(spec, "sink", 0)
         return sum(1 for k in range(n) if p - k < window or k < sink)
     assert tally.bytes == 10 * sum(visible(s, n) for s in specs for n in (20, 6)) and tally.steps == 1
+    assert on_gpu.bytes == 10 * sum(visible(s, n) for s in specs for n in (20, 6, 31)) and on_gpu.steps == 2
 
 
 @pytest.mark.gpu

@@ -10,8 +10,10 @@ Decode attention is found two ways: device kernels whose name matches
 `--attention-kernel` (the Triton decode kernel), and a profiler range
 `kvserve::decode_attention` put around every attention call of a decode-only
 batch (the torch reference backend has no single kernel). Its minimum bytes
-are each decode row's visible keys and values, once per layer, counted from
-the scheduler's decode-only steps. Under CUDA graphs the range is not
+are each one-query row's visible keys and values, once per layer, counted
+from the scheduler's output: on a GPU every step's one-query rows (the Triton
+backend attends them with the decode kernel in mixed steps too), on the CPU
+the decode-only steps the range times. Under CUDA graphs the range is not
 entered (a replay does not call Python), so on a GPU the kernel pattern is
 what times it.
 """
@@ -30,19 +32,24 @@ DECODE_RANGE = "kvserve::decode_attention"
 
 @dataclass
 class DecodeBytes:
-    """Minimum K/V bytes decode attention must read, summed over decode-only
-    steps: each row's visible keys and values, once per layer. Counted from
-    the scheduler's output (host integers), so replayed CUDA graphs count too."""
+    """Minimum K/V bytes decode attention must read: each one-query row's
+    visible keys and values, once per layer. Counted from the scheduler's
+    output (host integers), so replayed CUDA graphs count too. `mixed_rows`:
+    also the one-query rows of mixed steps (the Triton backend gives them to
+    the decode kernel too); else decode-only steps alone (what the profiler
+    range times)."""
 
     specs: tuple
     bytes_per_token: int          # K and V of one token in one layer
     bytes: int = 0
-    steps: int = 0
+    steps: int = 0                # steps with a counted row
+    mixed_rows: bool = False
 
     def observe(self, out) -> None:
-        if out.is_empty or any(s.num_new_tokens != 1 for s in out.scheduled):
+        rows = [s for s in out.scheduled if s.num_new_tokens == 1]
+        if not rows or (len(rows) < len(out.scheduled) and not self.mixed_rows):
             return
-        lengths = [s.start_pos + 1 for s in out.scheduled]
+        lengths = [s.start_pos + 1 for s in rows]
         self.bytes += self.bytes_per_token * sum(_visible_keys(spec, n) for spec in self.specs for n in lengths)
         self.steps += 1
 
@@ -56,7 +63,8 @@ def _count_decode_bytes(engine) -> DecodeBytes:
     """Tally every step the scheduler hands out from now on."""
     layout = engine.runner.layout
     per_token = 2 * layout.num_kv_heads * layout.head_dim * torch.finfo(layout.dtype).bits // 8
-    tally = DecodeBytes(tuple(engine.model_config.layer_specs), per_token)
+    tally = DecodeBytes(tuple(engine.model_config.layer_specs), per_token,
+                        mixed_rows=engine.runner.device.type == "cuda")
     schedule = engine.scheduler.schedule
 
     def counted():
@@ -181,6 +189,8 @@ def profile_report(prof, num_steps: int, tally: DecodeBytes, device: torch.devic
               "launches_per_step": sum(r["calls"] for r in rows) / steps, "on_gpu": on_gpu,
               "decode_attention": {"source": source, "time_us": attn_us, "calls": attn_calls,
                                    "min_bytes": tally.bytes, "decode_steps": tally.steps,
+                                   "step_kind": ("steps with one-query rows" if tally.mixed_rows
+                                                 else "decode-only steps"),
                                    "achieved_gb_s": tally.bytes / (attn_us * 1e-6) / 1e9 if attn_us else None}}
     if on_gpu:
         from kvserve.bench.device_limits import measure_device_limits
@@ -198,7 +208,7 @@ def format_report(r: dict[str, Any], top: int) -> str:
                      f"{k['calls_per_step']:>8.1f}")
     d = r["decode_attention"]
     lines.append(f"decode attention ({d['source']}): {d['time_us'] / 1e3:.2f} ms over {d['calls']} calls; "
-                 f"minimum K/V bytes {d['min_bytes'] / 1e6:.3g} MB over {d['decode_steps']} decode-only steps")
+                 f"minimum K/V bytes {d['min_bytes'] / 1e6:.3g} MB over {d['decode_steps']} {d['step_kind']}")
     if d["achieved_gb_s"] is not None:
         line = f"  achieved {d['achieved_gb_s']:.3g} GB/s of the minimum bytes"
         if "device_copy_gb_s" in r:
