@@ -5,8 +5,10 @@ running decodes), so decode-only graphs leave most steps to eager launches
 of every layer's kernels. A mixed graph is captured per token bucket (the
 padded token count of the step); its sequence capacity is
 min(max_num_seqs, bucket). The varlen attention kernel runs with a fixed
-grid that reads each program's (sequence, query tile) from a tile table,
-so no launch shape depends on the batch being replayed.
+grid that reads each program's (sequence, query tile) from a tile table, and
+the decode kernel (the batch's one-query rows, `attention/kernels/mixed.py`)
+with a grid over the sequence capacity planned for `max_model_len`, so no
+launch shape depends on the batch being replayed.
 
 Capture discipline (SPEC; vLLM PR 41665): every static buffer a graph reads
 is rewritten before every replay, real rows and padding alike: padding
