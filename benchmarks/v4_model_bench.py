@@ -19,6 +19,7 @@ forward, the logits and a greedy argmax fed back as the next token, on the
 device (no scheduler, no host batch preparation, no detokenisation).
 
     python benchmarks/v4_model_bench.py [--quick]
+    python benchmarks/v4_model_bench.py --kernels 1 4096   # where a batch-1 step's time goes
 """
 from __future__ import annotations
 
@@ -174,9 +175,36 @@ def pool_table(runner) -> None:
           f"| {plan.num_seqs} | {plan.max_context_tokens:,} |")
 
 
+def kernel_table(runner, tables: Tables, batch: int, context: int, top: int = 15) -> None:
+    """Where a graph-replayed decode step's device time goes at one shape:
+    the top kernels' microseconds and launches per step, and their totals."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    steps, warmup = 6, 2
+    graphs, note = capture(runner, 2 * (steps + warmup))
+    built = tables.build(batch, context, context + 2 * (steps + warmup))
+    runner.graphs = graphs
+    decode_tok_s(runner, built, batch, context, steps, warmup)  # replays once outside the profiler
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_tok_s(runner, built, batch, context + steps + warmup, steps, warmup)
+    runner.graphs = None
+    n = steps + warmup
+    rows = sorted(((e.key, e.self_device_time_total / n, e.count / n) for e in prof.key_averages()
+                   if e.device_type != DeviceType.CPU and e.self_device_time_total > 0), key=lambda r: -r[1])
+    print(f"\n## Device kernels per decode step, batch {batch}, context {context:,} (graphs: {note})\n")
+    print(f"{len(rows)} kernels, {sum(r[2] for r in rows):.0f} launches and "
+          f"{sum(r[1] for r in rows):,.0f} us of kernel time per step\n")
+    print("| kernel | us / step | launches / step |")
+    print("|---|---:|---:|")
+    for name, us, calls in rows[:top]:
+        print(f"| `{name[:70]}` | {us:,.1f} | {calls:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (a smoke run)")
+    parser.add_argument("--kernels", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
+                        help="only the device-kernel table of graph-replayed decode steps at this shape")
     a = parser.parse_args()
     steps, warmup = (5, 2) if a.quick else (20, 3)
     start = time.perf_counter()
@@ -184,6 +212,9 @@ def main() -> None:
     print(f"# DeepSeek V4 model bench: {MODEL}, bf16, {torch.cuda.get_device_name()}")
     print(f"(engine built and pool filled in {time.perf_counter() - start:.0f} s)")
     tables = Tables(runner)
+    if a.kernels:
+        kernel_table(runner, tables, *a.kernels)
+        return
     pool_table(runner)
     decode_table(runner, tables, steps, warmup)
     prefill_table(runner, tables)
