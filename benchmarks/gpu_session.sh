@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the anchor throughput and batch-1 latency benches.
-# Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh [tests|bench|all] [extra bench flags]
+# Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh [tests|bench|all|mixed] [extra bench flags]
+#   mixed: the attention and mixed-graph GPU tests, decode-only against mixed steps with their kernels
+#          (mixed_step_bench.py), and the kernels of a V4 batch-1 decode step (v4_model_bench.py --kernels).
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,4 +20,11 @@ bench() {  # name, flags...
 if [ "$what" = bench ] || [ "$what" = all ]; then
   bench throughput --num-prompts 256 --input-len 512 --output-len 128 "$@"
   bench latency --latency "$@"
+fi
+if [ "$what" = mixed ]; then
+  timeout 240 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_mixed_graphs.py tests/test_attention_ref.py \
+    2>&1 | tail -4 | tee "$OUT/mixed_tests.log"
+  timeout 150 python3 benchmarks/mixed_step_bench.py --model dummy:qwen3-8b --device cuda --profile 2>&1 \
+    | grep -v "^INFO" | tail -32 | tee "$OUT/mixed_step.txt"
+  timeout 150 python3 benchmarks/v4_model_bench.py --kernels 1 4096 2>&1 | tail -24 | tee "$OUT/v4_kernels_b1.txt"
 fi

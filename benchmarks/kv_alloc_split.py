@@ -1,7 +1,8 @@
 """Where the KV cache manager's share of a decode step goes, with N requests
 all decoding (the setting of `host_step_bench.py`): allocations that only move
 a request's end inside its tail block (the fast path) against the ones that
-cross into a new block, and that slow path's parts. Each part is timed in
+cross into a new block (the direct path, `_open_next_block`, and the general
+path's parts where it does not apply). Each part is timed in
 place by a perf_counter wrapper over `--steps` steps after the warm-up (each
 wrapper adds ~0.3 us a call, and the outer rows include their inner rows'
 wrappers: read the rows against each other, not as a sum). Block size 16
@@ -18,7 +19,9 @@ from typing import Any
 
 import host_step_bench as hb
 
-PARTS = ("_can_allocate", "_apply_allocation", "_cache_full_blocks", "_set_room")
+# The direct path of the token that opens a block, then the general path's parts (an older
+# tree without a part skips it, so the same command compares commits).
+PARTS = ("_open_next_block", "_can_allocate", "_apply_allocation", "_cache_full_blocks", "_set_room")
 
 
 class PartTimer:
@@ -44,7 +47,8 @@ def split(engine, steps: int) -> PartTimer:
     timer.wrap(kv, "_move_within_tail", "fast path (_move_within_tail)")
     timer.wrap(kv, "allocate_slots", "allocate_slots (all)")
     for name in PARTS:
-        timer.wrap(kv, name)
+        if hasattr(kv, name):
+            timer.wrap(kv, name)
     timer.wrap(kv._held, "add_new", "  _apply_allocation: add_new")
     for manager in kv.managers:
         timer.wrap(manager, "allocate_new_blocks", "  _apply_allocation: allocate_new_blocks")
