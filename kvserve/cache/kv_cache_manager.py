@@ -330,28 +330,30 @@ class KVCacheManager:
 
     def _open_next_block(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
         """The general path's work, done directly, for the one token that opens
-        the next block of every group: each table is full up to its end and its
-        policy asks for one block, so each group gets one fresh block, solely
-        held, which becomes the room (`_set_room`). False, changing nothing,
-        for any other allocation."""
+        the next block of every group (`_opens_one_block`): each group gets one
+        fresh block, solely held, which becomes the room (`_set_room`). False,
+        changing nothing, for any other allocation."""
         request_id = request.request_id
         end = self._num_tokens.get(request_id)
-        total, block_size = request.num_computed_tokens + num_new_tokens, self.block_size
-        if (end is None or total != end + 1 or end % block_size or block_size == 1
-                or self._drops_blocks or len(self.managers) + reserve > self.pool.num_free_blocks):
+        total = request.num_computed_tokens + num_new_tokens
+        if not self._opens_one_block(request_id, end, total, reserve):
             return False
-        # Each group's own policy must ask for exactly this one block (a compressed
-        # group holds the NULL block where no window ends).
-        if any(m.num_new_blocks(request_id, total, 0) != 1 for m in self.managers):
-            return False
-        index = end // block_size
         blocks = [m.append_new_block(request_id) for m in self.managers]
-        tails = self._held.append_fresh(request_id, index, blocks)
+        tails = self._held.append_fresh(request_id, end // self.block_size, blocks)
         self._num_tokens[request_id] = total
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, total)
-        self._room[request_id] = (end + 1, end + block_size, tails)
+        self._room[request_id] = (end + 1, end + self.block_size, tails)
         return True
+
+    def _opens_one_block(self, request_id: str, end: int | None, total: int, reserve: int) -> bool:
+        """The end moves one token past a block boundary, no group drops blocks,
+        the pool has a block per group, and each group's own policy asks for
+        exactly that one (a compressed group holds NULL where no window ends)."""
+        if (end is None or total != end + 1 or end % self.block_size or self.block_size == 1
+                or self._drops_blocks or len(self.managers) + reserve > self.pool.num_free_blocks):
+            return False
+        return all(m.num_new_blocks(request_id, total, 0) == 1 for m in self.managers)
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
                       first_query_pos: int, total: int, reserve: int = 0) -> bool:
