@@ -29,3 +29,17 @@ def test_bench_throughput_runs(capsys, tmp_path):
                  "--output-len", "5", "--repeats", "1", "--baseline", "hf"]) == 0
     out = capsys.readouterr().out
     assert "kvserve" in out and "hf-transformers" in out and "ratio kvserve / hf-transformers" in out
+
+
+def test_serve_can_turn_the_access_log_off(monkeypatch):
+    """vLLM's `--disable-uvicorn-access-log` reaches uvicorn; the log stays on by default."""
+    import uvicorn
+
+    import kvserve.server.app as app_module
+    runs = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(kw))
+    monkeypatch.setattr(app_module, "build_app", lambda *a, **kw: object())
+    assert main(["serve", "--disable-uvicorn-access-log"]) == 0
+    assert main(["serve"]) == 0
+    assert [kw["access_log"] for kw in runs] == [False, True]
+

@@ -22,6 +22,8 @@ def add_serve_parser(sub: Any) -> None:
                        help="opt-in bound: requests allowed to wait beyond --max-num-seqs before "
                             "429 + Retry-After (default: unbounded, as vLLM)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no log line per HTTP request (vLLM's flag; under load they are one a request)")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1 routes (401 otherwise)")
     serve.add_argument("--allowed-origins", nargs="*", default=["*"], help="CORS origins (none: no CORS)")
@@ -59,7 +61,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # The engine core is built in its own process from these args (kvserve/engine/core_process.py).
     app = build_app(EngineArgs(**engine_kwargs(a), usage="server"), names, a.max_waiting_requests,
                     _server_options(a))
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level,
+                access_log=not a.disable_uvicorn_access_log)
     return 0
 
 
