@@ -57,6 +57,11 @@ class Traffic:
         self.add(new_tokens)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | None) -> float:
     """ms per step over `steps` steps (one warm-up step first)."""
     def one() -> None:
@@ -64,23 +69,23 @@ def timed(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | Non
             traffic.swap_one(new_tokens)
         engine.step()
     one()
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         one()
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    _sync()
     return (time.perf_counter() - start) / steps * 1e3
 
 
 def top_kernels(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | None,
                 top: int) -> list[tuple[str, float]]:
+    """(kernel, device us per step) of the `top` kernels over `steps` + 1 steps."""
     from torch.profiler import ProfilerActivity, profile
-    from torch.autograd import DeviceType
+
+    from kvserve.bench.profile import kernel_rows
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         timed(engine, traffic, steps, new_tokens)
-    rows = [(e.key, e.self_device_time_total / (steps + 1)) for e in prof.key_averages()
-            if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])[:top]
+    return [(r["name"], r["us"] / (steps + 1)) for r in kernel_rows(prof, on_gpu=True)[:top]]
 
 
 def main() -> None:

@@ -178,8 +178,9 @@ def pool_table(runner) -> None:
 def kernel_table(runner, tables: Tables, batch: int, context: int, top: int = 15) -> None:
     """Where a graph-replayed decode step's device time goes at one shape:
     the top kernels' microseconds and launches per step, and their totals."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from kvserve.bench.profile import kernel_rows
     steps, warmup = 6, 2
     graphs, note = capture(runner, 2 * (steps + warmup))
     built = tables.build(batch, context, context + 2 * (steps + warmup))
@@ -189,8 +190,7 @@ def kernel_table(runner, tables: Tables, batch: int, context: int, top: int = 15
         decode_tok_s(runner, built, batch, context + steps + warmup, steps, warmup)
     runner.graphs = None
     n = steps + warmup
-    rows = sorted(((e.key, e.self_device_time_total / n, e.count / n) for e in prof.key_averages()
-                   if e.device_type != DeviceType.CPU and e.self_device_time_total > 0), key=lambda r: -r[1])
+    rows = [(r["name"], r["us"] / n, r["calls"] / n) for r in kernel_rows(prof, on_gpu=True)]
     print(f"\n## Device kernels per decode step, batch {batch}, context {context:,} (graphs: {note})\n")
     print(f"{len(rows)} kernels, {sum(r[2] for r in rows):.0f} launches and "
           f"{sum(r[1] for r in rows):,.0f} us of kernel time per step\n")

@@ -145,7 +145,7 @@ def _profiled_run(llm, prompts, params):
     return prof, elapsed
 
 
-def _kernel_rows(prof, on_gpu: bool) -> list[dict[str, Any]]:
+def kernel_rows(prof, on_gpu: bool) -> list[dict[str, Any]]:
     """(name, self time us, calls) per kernel: device kernels on a GPU, CPU ops (no ranges) on CPU."""
     rows = []
     for e in prof.key_averages():
@@ -174,7 +174,7 @@ def _range_us(prof, name: str) -> tuple[float, int]:
 def profile_report(prof, num_steps: int, tally: DecodeBytes, device: torch.device, attention_kernel: str,
                    elapsed_s: float) -> dict[str, Any]:
     on_gpu = device.type == "cuda"
-    rows = _kernel_rows(prof, on_gpu)
+    rows = kernel_rows(prof, on_gpu)
     total_us = sum(r["us"] for r in rows) or 1.0
     steps = max(num_steps, 1)
     for r in rows:
