@@ -10,7 +10,7 @@
 set -u
 engine=${1:?engine} dir=${2:?model dir} runs=${3:?runs}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; port=8011
-export PYTHONPATH=$PWD:$PWD/.vsite PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
+export PYTHONPATH=$PWD:$PWD/.vsite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
   VLLM_USE_FLASHINFER_SAMPLER=0
 flags="--model $dir --load-format dummy --port $port --max-num-batched-tokens 8192 --max-model-len 8192 \
   --gpu-memory-utilization 0.85 ${EXTRA:-}"

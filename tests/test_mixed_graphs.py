@@ -36,6 +36,32 @@ def test_tile_table_lists_every_query_tile_once(block_q):
         assert (seq.tolist(), q_tile.tolist()) == _brute_force_tiles(lens, block_q)
 
 
+def test_tile_table_can_skip_one_query_sequences():
+    pytest.importorskip("triton")
+    from kvserve.attention.kernels.prefill import tile_table
+    lens = [1, 37, 0, 1, 5, 1]
+    seq, q_tile = tile_table(torch.tensor(lens, dtype=torch.int32), 4, skip_single=True)
+    kept = [n if n != 1 else 0 for n in lens]
+    assert (seq.tolist(), q_tile.tolist()) == _brute_force_tiles(kept, 4)
+
+
+def test_prefill_split_plan():
+    """Small steps split their keys; large ones, short contexts and a fixed
+    count are respected; the partials stay within their budget."""
+    pytest.importorskip("triton")
+    from kvserve.attention.kernels.prefill import PARTIALS_BUDGET, PrefillConfig
+    config = PrefillConfig()  # 32 query tokens a tile at 32 heads / 8 KV heads
+    plan = lambda tokens, keys: config.plan_splits(tokens, 32, 8, 128, keys, 132)  # noqa: E731
+    assert plan(16, 4096) == 16          # 8 programs unsplit: as many splits as allowed
+    assert plan(16, 1024) == 4           # but no split under min_split_keys
+    assert plan(16, 100) == 1
+    assert plan(8192, 8192) == 1         # 2,048 programs fill the GPU unsplit
+    for tokens in (16, 64, 256, 512, 2048):
+        n = plan(tokens, 8192)
+        assert n == 1 or tokens * 32 * 128 * 4 * n <= PARTIALS_BUDGET, (tokens, n)
+    assert PrefillConfig(num_splits=5).plan_splits(8192, 32, 8, 128, 8192, 132) == 5
+
+
 def test_token_buckets_and_capacities():
     pytest.importorskip("triton")
     from kvserve.runner.mixed_graph import token_buckets
@@ -61,13 +87,19 @@ def _padded(meta, q, pad_tokens: int, pad_seqs: int, tiles, capacity: int):
 
 
 def tiled_check(device: str, dtype, heads=8, kv_heads=2, head_dim=32) -> None:
-    """Fixed-grid kernel = float32 reference per sequence; padding rows untouched."""
+    """Fixed-grid kernel = float32 reference per sequence; padding rows
+    untouched; unsplit and with the keys split over three programs."""
+    from kvserve.attention.kernels.prefill import PrefillConfig
+    for config in (PrefillConfig(block_m=16), PrefillConfig(block_m=16, num_splits=3)):
+        _tiled_check(device, dtype, heads, kv_heads, head_dim, config)
+
+
+def _tiled_check(device, dtype, heads, kv_heads, head_dim, config) -> None:
     from tests.test_triton_kernels import _build_batch, _layer, _reference
     from kvserve.attention.kernels import reshape_and_cache
     from kvserve.attention.kernels.mixed import mixed_attention
-    from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention, tile_table
+    from kvserve.attention.kernels.prefill import prefill_attention, tile_table
     from kvserve.attention.triton_backend import mask_bounds
-    config = PrefillConfig(block_m=16)
     for spec, block_size in ((FullAttentionSpec(), 8), (SlidingWindowSpec(window=20, sink=3), 16)):
         gen = torch.Generator().manual_seed(block_size)
         meta, kv_cache, q, k, v = _build_batch(MIXED, spec, block_size, heads, kv_heads, head_dim,
@@ -78,13 +110,17 @@ def tiled_check(device: str, dtype, heads=8, kv_heads=2, head_dim=32) -> None:
         block_q = config.block_q(heads, kv_heads)
         tiles = tile_table(torch.tensor(meta.query_lens_cpu, dtype=torch.int32), block_q)
         qp, qsl, seq_lens, table, ptiles = _padded(meta, q, 9, 3, tiles, len(tiles[0]) + 5)
+        # The mixed split's table as a graph writes it: no tiles for one-query rows.
+        split_tiles = tile_table(torch.tensor(meta.query_lens_cpu, dtype=torch.int32), block_q, skip_single=True)
+        *_, mixed_tiles = _padded(meta, q, 9, 3, split_tiles, len(tiles[0]) + 5)
         window, sink = mask_bounds(layer)
         # As a graph replays them: the varlen kernel alone, and the mixed split (its decode
         # kernel planned for a context bound far above the batch's, as a captured graph is).
         for run in (lambda out: prefill_attention(qp, kv_cache, out, table, qsl, seq_lens, 10**6, layer.scale,
                                                   window, sink, config=config, tiles=ptiles),
                     lambda out: mixed_attention(qp, kv_cache, out, table, qsl, seq_lens, 10**6, 4096,
-                                                layer.scale, window, sink, tiles=ptiles, prefill_config=config)):
+                                                layer.scale, window, sink, tiles=mixed_tiles,
+                                                prefill_config=config)):
             out = torch.full_like(qp, float("nan"))
             run(out)
             assert torch.isnan(out[meta.num_tokens:]).all(), "a padding row was written"

@@ -109,7 +109,7 @@ def _whole_batch_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
                     device="cuda", seed=0, decode_config=None,
-                    dtype=torch.bfloat16, fused_write=False) -> float:
+                    dtype=torch.bfloat16, fused_write=False, prefill_config=None) -> float:
     """Run the kernels directly (NaN-poisoned output) and return the rel. error.
 
     fused_write (decode batches): the decode kernel writes the new K/V itself;
@@ -136,7 +136,8 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
             extra["new_kv"] = (k, v, meta.slot_mappings[0])
         decode_attention(*args, meta.max_seq_len, layer.scale, window, sink, **extra)
     else:  # what the backend runs: one-query rows to the decode kernel, the rest varlen
-        mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink)
+        extra = {} if prefill_config is None else {"prefill_config": prefill_config}
+        mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink, **extra)
     # NaN == NaN here: never-written slots must stay exactly as they were.
     assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"
     return _rel_err(out, ref, meta)
@@ -213,6 +214,17 @@ def test_decode_fixed_split_counts(num_splits, fused_write):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+@pytest.mark.parametrize("spec", MIXED_SPECS, ids=lambda s: s.describe())
+def test_prefill_fixed_split_counts(num_splits, spec):
+    """The varlen kernel's split-KV: splits past a row's causal limit (or its
+    window) are empty and must merge as weight 0."""
+    from kvserve.attention.kernels import PrefillConfig
+    err = check_attention(MIXED, spec, 16, seed=num_splits, prefill_config=PrefillConfig(num_splits=num_splits))
+    assert err < TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_mixed_batch_rows_go_to_their_kernel(block_size):
     check_row_ownership("cuda", torch.bfloat16, heads=32, kv_heads=8, head_dim=128, block_size=block_size)
@@ -262,6 +274,15 @@ def interpreter_smoke() -> None:
                 err = check_attention(seqs, spec, block_size, heads=4, kv_heads=2, head_dim=16,
                                       device="cpu", dtype=torch.float16, fused_write=fused_write)
                 assert err < TOL, (seqs, spec, block_size, fused_write, err)
+    # The varlen kernel's split-KV and its reduce. (4, 20): the second query tile's
+    # last split starts past its first rows, which must merge it as weight 0.
+    from kvserve.attention.kernels import PrefillConfig
+    for num_splits in (2, 3):
+        for spec, block_size in ((full, 8), (sink, 16)):
+            config = PrefillConfig(block_m=16, block_n=16, num_splits=num_splits)
+            err = check_attention(mixed + [(4, 20)], spec, block_size, heads=4, kv_heads=2, head_dim=16,
+                                  device="cpu", dtype=torch.float16, prefill_config=config)
+            assert err < TOL, (num_splits, spec, err)
     # Several splits per sequence (empty ones included), the newest key in the last.
     from kvserve.attention.kernels import DecodeConfig
     for fused_write in (False, True):

@@ -144,7 +144,9 @@ class MixedGraphs:
             static[s:capacity].zero_()
 
     def _write_tiles(self, query_lens: list[int], capacity: int) -> None:
-        seq, q_tile = tile_table(torch.from_numpy(np.asarray(query_lens, dtype=np.int32)), self.block_q)
+        # The decode kernel attends the one-query rows: no tile programs for them.
+        seq, q_tile = tile_table(torch.from_numpy(np.asarray(query_lens, dtype=np.int32)), self.block_q,
+                                 skip_single=True)
         k = seq.shape[0]
         device = self.tile_seq.device
         self.tile_seq[:k].copy_(upload(seq, device))

@@ -31,6 +31,17 @@ def visible_range(first_pos, window, sink, SLIDING: tl.constexpr):
 
 
 @triton.jit
+def split_range(num_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of this split's keys (virtual indices). Each program
+    divides its own keys evenly over the splits: the grid is planned for the
+    longest context (in a CUDA graph, for the bucket's bound), and a fixed
+    split length would leave shorter contexts on a few programs."""
+    split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), num_splits) * BLOCK_N
+    start = split * split_len
+    return start, tl.minimum(num_keys, start + split_len)
+
+
+@triton.jit
 def page_offsets(j, num_keys, sink_end, lo, block_table_row_ptr,
                  stride_cache_block, stride_cache_offset, kv_head_offset,
                  PAGE_SIZE: tl.constexpr):

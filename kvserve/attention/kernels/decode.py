@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, score_tile,
-                                              visible_range)
+                                              split_range, visible_range)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -56,17 +56,6 @@ class DecodeConfig:
 @triton.jit
 def _query_len(query_start_loc_ptr, seq):
     return tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
-
-
-@triton.jit
-def _split_range(num_keys, split, num_splits, BLOCK_N: tl.constexpr):
-    """[start, end) of this split's keys. Each sequence divides its own keys
-    evenly over the splits: the grid is planned for the longest context (in a
-    CUDA graph, for the bucket's bound), and a fixed split length would leave
-    shorter sequences on a few programs."""
-    split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), num_splits) * BLOCK_N
-    start = split * split_len
-    return start, tl.minimum(num_keys, start + split_len)
 
 
 @triton.jit
@@ -130,7 +119,7 @@ def _decode_split_kernel(
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
     num_keys = sink_end + seq_len - lo
-    start, end = _split_range(num_keys, split, num_splits, BLOCK_N)
+    start, end = split_range(num_keys, split, num_splits, BLOCK_N)
 
     rows = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + rows
@@ -223,7 +212,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the CPU interpreter: any small number exercises the splits
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -265,7 +254,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     max_keys = max_seq_len if window is None else min(max_seq_len, window + sink)
-    num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, _sm_count(q.device), config)
+    num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, sm_count(q.device), config)
     direct = num_splits == 1
     block_n, num_warps, num_stages = config.tile(num_splits)
     # Direct launches never touch the partials: one dummy element stands in.

@@ -6,8 +6,10 @@ kernel alone would give a decode row a whole BLOCK_M-row query tile of which
 it fills GROUP rows, and one program walking its whole context: on an H200
 (48 decodes at ~1K keys beside a 16-token chunk, Qwen3-8B shape) it took
 3.9 ms of the step's device time where the decode kernel takes 1.2 ms for
-the same rows (`benchmarks/mixed_step_bench.py`). The cache holds the step's
-K/V before this runs (`reshape_and_cache`).
+the same rows (`benchmarks/mixed_step_bench.py`). The varlen kernel splits
+a small step's keys over several programs (`prefill.py`), so a short chunk
+does not leave the GPU to eight programs. The cache holds the step's K/V
+before this runs (`reshape_and_cache`).
 """
 from __future__ import annotations
 
@@ -30,4 +32,4 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                      scale, window, sink, single_only=True)
     return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens,
                              max_query_len, scale, window, sink, config=prefill_config, tiles=tiles,
-                             single_queries=False)
+                             single_queries=False, max_seq_len=max_seq_len)

@@ -6,11 +6,19 @@ loaded once per GQA group. It walks only the keys its tile can see (cached
 prefix + causal part of the chunk, or sink + window), with an online softmax
 in fp32 and tl.dot for both matrix products.
 
-The grid is either (sequences, query tiles of the longest query, KV heads),
-planned from the batch's host lengths, or, for CUDA-graph replay, a fixed
-number of programs that each read their (sequence, query tile) from a tile
-table (`PrefillTiles`): the table is rewritten before every replay, and
+The grid is either (sequences, query tiles of the longest query, KV heads x
+splits), planned from the batch's host lengths, or, for CUDA-graph replay, a
+fixed number of programs that each read their (sequence, query tile) from a
+tile table (`PrefillTiles`): the table is rewritten before every replay, and
 entries past the batch's tiles hold sequence -1, so those programs exit.
+
+Split-KV: a short chunk beside running decodes has one or two query tiles,
+so eight programs (one per KV head) would each walk a whole context while
+the other SMs idle: on an H200 a 16-token chunk at ~1K keys took 41 us a
+layer (`benchmarks/mixed_step_bench.py`). Small steps therefore divide each
+tile's visible keys over several programs; each writes a normalised partial
+and its log2-sum-exp, and a reduce over the same tiles merges them. The
+split count depends only on the launch's shapes, so a captured graph keeps it.
 """
 from __future__ import annotations
 
@@ -23,9 +31,14 @@ import triton.language as tl
 
 from kvserve.attention.metadata import PrefillTiles
 from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, score_tile,
-                                              visible_range)
+                                              split_range, visible_range)
+from kvserve.attention.kernels.decode import sm_count
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+# Bytes of fp32 partials a split launch may allocate ([tokens, heads, splits, head_dim]):
+# steps large enough to need more have query tiles enough to fill the GPU unsplit.
+PARTIALS_BUDGET = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,9 @@ class PrefillConfig:
     block_n: int = 32    # keys per tile
     num_warps: int = 4
     num_stages: int = 4
+    waves: int = 2                 # split small steps up to this many programs per SM
+    min_split_keys: int = 256      # never split a context below this many keys per program
+    num_splits: int | None = None  # fixed split count (tests, sweeps); None = `plan_splits`
 
     def block_q(self, num_heads: int, num_kv_heads: int) -> int:
         """Query tokens per program: BLOCK_M rows hold all heads of one GQA group."""
@@ -43,12 +59,33 @@ class PrefillConfig:
         return max(self.block_m, triton.next_power_of_2(group)) // group
 
 
-def tile_table(query_lens: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan_splits(self, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    max_keys: int, num_sms: int) -> int:
+        """Programs per (query tile, KV head) for a launch over `num_tokens`
+        query tokens and contexts up to `max_keys`: enough for `waves` waves
+        if the tokens were one sequence's, within `min_split_keys` and the
+        partials budget."""
+        if self.num_splits is not None:
+            return self.num_splits
+        tiles = triton.cdiv(num_tokens, self.block_q(num_heads, num_kv_heads))
+        wanted = triton.cdiv(self.waves * num_sms, tiles * num_kv_heads)
+        by_keys = max_keys // self.min_split_keys
+        by_memory = PARTIALS_BUDGET // max(1, num_tokens * num_heads * head_dim * 4)
+        return max(1, min(wanted, by_keys, by_memory, MAX_SPLITS))
+
+
+def tile_table(query_lens: torch.Tensor, block_q: int,
+               skip_single: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(seq, q_tile) of every query tile of a batch, host int32 tensors.
+    `skip_single` leaves out one-query sequences (the decode kernel's rows in
+    a mixed batch), so no program is spent on them.
 
     numpy, not torch: on a served H200 run torch's CPU repeat_interleave took
     ~200 us per step here, a tenth of the engine core's busy time."""
-    tiles = (query_lens.numpy().astype(np.int64) + block_q - 1) // block_q
+    lens = query_lens.numpy().astype(np.int64)
+    tiles = (lens + block_q - 1) // block_q
+    if skip_single:
+        tiles[lens == 1] = 0
     seq = np.repeat(np.arange(len(tiles), dtype=np.int32), tiles)
     first = np.cumsum(tiles) - tiles
     q_tile = (np.arange(len(seq), dtype=np.int64) - first[seq]).astype(np.int32)
@@ -56,19 +93,19 @@ def tile_table(query_lens: torch.Tensor, block_q: int) -> tuple[torch.Tensor, to
 
 
 @triton.jit
-def _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, num_keys, sink_end, lo, table_row,
+def _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo, table_row,
                     stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale, window, sink,
                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax of the query rows (at positions q_pos) over the tile's
-    visible keys, masked causally (and by window + sink): (running sum,
-    unnormalised output)."""
+    visible keys [start, end) (virtual indices), masked causally (and by
+    window + sink): (running max, running sum, unnormalised output)."""
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, num_keys, BLOCK_N):
+    for tile in range(start, end, BLOCK_N):
         key, key_valid, v_ptrs, s = score_tile(
-            q, k_cache_ptr, v_cache_ptr, start + tl.arange(0, BLOCK_N), num_keys, sink_end, lo,
+            q, k_cache_ptr, v_cache_ptr, tile + tl.arange(0, BLOCK_N), end, sink_end, lo,
             table_row, stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale,
             HEAD_DIM, PAGE_SIZE, DOT_PRECISION)
         visible = key_valid[None, :] & (key[None, :] <= q_pos[:, None])
@@ -76,7 +113,39 @@ def _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, num_keys, sink_end, lo, 
             visible &= ((q_pos[:, None] - key[None, :]) < window) | (key[None, :] < sink)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION)
-    return l_i, acc
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr, BLOCK_Q: tl.constexpr,
+                  TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr):
+    """(sequence, query tile, first query token, query length, idle) of this
+    program; an idle program has no rows (past its query, a padding entry of
+    the tile table, or a one-query row left to the decode kernel)."""
+    if TILED:
+        seq = tl.load(tile_seq_ptr + tl.program_id(0))
+        q_tile = tl.load(tile_q_ptr + tl.program_id(0))
+    else:
+        seq = tl.program_id(0)
+        q_tile = tl.program_id(1)
+    padding = seq < 0
+    seq = tl.maximum(seq, 0)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    idle = padding | (q_tile * BLOCK_Q >= q_len)
+    if SKIP_SINGLE:  # one-query rows go to the decode kernel (`decode_attention(single_only=True)`)
+        idle = idle | (q_len == 1)
+    return seq, q_tile, q_start, q_len, idle
+
+
+@triton.jit
+def _tile_rows(q_tile, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each of the BLOCK_M rows' query token (within its sequence), head
+    within the GQA group, and validity."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // GROUP
+    return tok, rows % GROUP, (rows < BLOCK_Q * GROUP) & (tok < q_len)
 
 
 # The block table's row stride changes with every batch's widest table: not
@@ -87,33 +156,23 @@ def _prefill_kernel(
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head, tile_seq_ptr, tile_q_ptr,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    part_out_ptr, part_lse_ptr, num_splits,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
-    if TILED:
-        seq = tl.load(tile_seq_ptr + tl.program_id(0))
-        q_tile = tl.load(tile_q_ptr + tl.program_id(0))
-        if seq < 0:
-            return
-    else:
-        seq = tl.program_id(0)
-        q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
+    seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
+                                                      BLOCK_Q, TILED, SKIP_SINGLE)
+    if idle:
         return
-    if SKIP_SINGLE:  # one-query rows go to the decode kernel (`decode_attention(single_only=True)`)
-        if q_len == 1:
-            return
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     seq_len = tl.load(seq_lens_ptr + seq)
 
-    rows = tl.arange(0, BLOCK_M)
-    tok = q_tile * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    tok, group_head, row_valid = _tile_rows(q_tile, q_len, GROUP, BLOCK_M)
+    head = kv_head * GROUP + group_head
     q_pos = seq_len - q_len + tok
     dims = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
@@ -123,18 +182,64 @@ def _prefill_kernel(
     first_pos = seq_len - q_len + q_tile * BLOCK_Q
     hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
     lo, sink_end = visible_range(first_pos, window, sink, SLIDING)
-    num_keys = sink_end + hi - lo
+    start, end = split_range(sink_end + hi - lo, split, num_splits, BLOCK_N)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head * stride_cache_head
 
-    l_i, acc = _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, num_keys, sink_end, lo,
-                               table_row, stride_cache_block, stride_cache_offset, kv_head_offset,
-                               qk_scale, window, sink, BLOCK_M, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-                               SLIDING, DOT_PRECISION)
+    m_i, l_i, acc = _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo,
+                                    table_row, stride_cache_block, stride_cache_offset,
+                                    kv_head_offset, qk_scale, window, sink, BLOCK_M, HEAD_DIM,
+                                    PAGE_SIZE, BLOCK_N, SLIDING, DOT_PRECISION)
+    has_keys = l_i > 0  # a split past a row's causal limit holds none of its keys
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    token = (q_start + tok).to(tl.int64)
+    if DIRECT:
+        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(out_ptr + o_offs + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        part_row = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def _prefill_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
+    stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+):
+    """Merge the splits of one (query tile, KV head): the same grid as the
+    attention launch without its split axis, so it skips the same programs."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
+                                                      BLOCK_Q, TILED, SKIP_SINGLE)
+    if idle:
+        return
+    tok, group_head, row_valid = _tile_rows(q_tile, q_len, GROUP, BLOCK_M)
+    head = tl.program_id(2) * GROUP + group_head
+    token = (q_start + tok).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for split in range(0, num_splits):
+        part_row = (token * NUM_HEADS + head) * num_splits + split
+        lse = tl.load(part_lse_ptr + part_row, mask=row_valid, other=float("-inf"))
+        part = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
+                       mask=row_valid[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_new))
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_new))
+        l_i = l_i * alpha + weight
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(out_ptr + o_offs + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None])
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
@@ -143,32 +248,59 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
                       window: int | None, sink: int,
                       config: PrefillConfig = PrefillConfig(),
                       tiles: PrefillTiles | None = None,
-                      single_queries: bool = True) -> torch.Tensor:
+                      single_queries: bool = True, max_seq_len: int | None = None) -> torch.Tensor:
     """q/out: [T, H, D]; the cache already holds this step's K/V. With
     `tiles`, the grid is the tile table's length, whatever the batch.
     `single_queries=False` leaves the sequences with one query alone (their
-    output rows unwritten), for the decode kernel to attend."""
-    num_seqs = seq_lens.shape[0]
+    output rows unwritten), for the decode kernel to attend. `max_seq_len`
+    (the longest context, or a bound) lets small steps split their keys;
+    without it they run unsplit."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group  # as config.block_q, which tile tables are built with
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    num_splits = _num_splits(q, num_kv_heads, max_seq_len, window, sink, block_q, config)
+    direct = num_splits == 1
+    # Direct launches never touch the partials: one dummy element stands in.
+    part_shape = (1,) if direct else (q.shape[0], num_heads, num_splits, head_dim)
+    part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(part_shape[:3], dtype=torch.float32, device=q.device)
     if tiles is None:
-        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+        grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_q), num_kv_heads)
         tile_seq = tile_q = seq_lens  # unread placeholders
     else:
         grid = (tiles.seq.shape[0], 1, num_kv_heads)
         tile_seq, tile_q = tiles.seq, tiles.q_tile
-    _prefill_kernel[grid](
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _prefill_kernel[grid[:2] + (num_kv_heads * num_splits,)](
         q, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
         scale * LOG2E, window or 0, sink,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), tile_seq, tile_q,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
+        part_out, part_lse, num_splits,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
         DOT_PRECISION=dot_precision(kv_cache.dtype), TILED=tiles is not None,
-        SKIP_SINGLE=not single_queries,
+        SKIP_SINGLE=not single_queries, DIRECT=direct,
         num_warps=config.num_warps, num_stages=config.num_stages)
+    if not direct:
+        _prefill_reduce_kernel[grid](
+            part_out, part_lse, out, query_start_loc, tile_seq, tile_q,
+            out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+            TILED=tiles is not None, SKIP_SINGLE=not single_queries, num_warps=4)
     return out
+
+
+def _num_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int | None, window: int | None,
+                sink: int, block_q: int, config: PrefillConfig) -> int:
+    """The launch's split count: 1 without a context bound (unless fixed)."""
+    if max_seq_len is None and config.num_splits is None:
+        return 1
+    max_keys = max_seq_len or 0
+    if window is not None:  # a tile sees its sink, its window and its own queries
+        max_keys = min(max_keys, window + sink + block_q)
+    num_heads, head_dim = q.shape[1:]
+    return config.plan_splits(q.shape[0], num_heads, num_kv_heads, head_dim, max_keys,
+                              sm_count(q.device))
