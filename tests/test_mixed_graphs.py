@@ -71,6 +71,21 @@ def test_token_buckets_and_capacities():
     assert all(a < b for a, b in zip(token_buckets(8192), token_buckets(8192)[1:]))
 
 
+def test_bucket_holds_the_step_query_tiles():
+    """A step with more chunks than a bucket's tile table holds takes a larger
+    bucket, or none (eager)."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+    from kvserve.runner.mixed_graph import CHUNK_TILES, MixedGraphs
+    graphs = MixedGraphs(SimpleNamespace(local_attention_heads=(32, 8)), 1, 16, 4096, 256, 8192,
+                         torch.device("cpu"))
+    assert graphs.block_q == 32 and graphs.tile_capacity(64) == 2 + CHUNK_TILES
+    assert graphs.bucket_for(64, 49, 1) == 64
+    assert graphs.bucket_for(64, 49, 2 + CHUNK_TILES + 1) == 96
+    assert graphs.bucket_for(2000, 40, 200) is None
+    assert graphs.bucket_for(3000, 40, 1) is None
+
+
 def _padded(meta, q, pad_tokens: int, pad_seqs: int, tiles, capacity: int):
     """The batch as a graph bucket holds it: more tokens, empty sequences, idle tiles."""
     from kvserve.attention.metadata import PrefillTiles

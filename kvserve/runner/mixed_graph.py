@@ -32,6 +32,13 @@ from kvserve.runner.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
+# Prompt chunks a step may carry beyond its token count's full query tiles
+# (each adds at most one partial tile). Every tile-table entry launches
+# programs, idle or not: at 66 entries (one per sequence of a 64-token
+# bucket) the varlen kernel's idle programs alone took ~20 us a layer on an
+# H200. A step with more chunks takes a larger bucket, or runs eagerly.
+CHUNK_TILES = 8
+
 # Largest captured step. Padding to a bucket costs compute that grows with
 # the step, while launch overhead stays fixed: past ~2K tokens the step's
 # GPU time hides the launches anyway.
@@ -76,13 +83,16 @@ class MixedGraphs:
         return min(self.max_num_seqs, bucket)
 
     def tile_capacity(self, bucket: int) -> int:
-        """Most query tiles a step of `bucket` tokens can have: each sequence
-        adds at most one partial tile to the full ones."""
-        return -(-bucket // self.block_q) + self.seq_capacity(bucket)
+        """Query tiles a step of `bucket` tokens may have: the full ones plus
+        one partial tile for each of up to CHUNK_TILES prompt chunks."""
+        return -(-bucket // self.block_q) + min(self.seq_capacity(bucket), CHUNK_TILES)
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
-        """Smallest captured bucket holding the step, or None (run eagerly)."""
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_tiles: int = 0) -> int | None:
+        """Smallest captured bucket holding the step's tokens, sequences and
+        query tiles, or None (run eagerly)."""
         i = bisect.bisect_left(self.buckets, max(num_tokens, num_seqs))
+        while i < len(self.buckets) and num_tiles > self.tile_capacity(self.buckets[i]):
+            i += 1
         if i == len(self.buckets) or num_seqs > self.seq_capacity(self.buckets[i]):
             return None
         return self.buckets[i]
@@ -112,13 +122,20 @@ class MixedGraphs:
         logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens)", len(self.graphs),
                     self.buckets[0], self.buckets[-1])
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the bucket's graph for a mixed batch; returns hidden states [T, hidden]."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor | None:
+        """Replay the bucket's graph for a mixed batch: hidden states [T, hidden],
+        or None where no captured bucket holds the step (run it eagerly)."""
         n, s = meta.num_tokens, meta.num_seqs
-        bucket = self.bucket_for(n, s)
+        # The decode kernel attends the one-query rows: no tile programs for them.
+        tiles = tile_table(torch.from_numpy(np.asarray(meta.query_lens_cpu, dtype=np.int32)),
+                           self.block_q, skip_single=True)
+        bucket = self.bucket_for(n, s, tiles[0].shape[0])
+        if bucket is None:
+            return None
         self._write_tokens(n, bucket, input_ids, positions, meta.slot_mappings)
         self._write_seqs(s, self.seq_capacity(bucket), n, meta)
-        self._write_tiles(meta.query_lens_cpu, self.tile_capacity(bucket))
+        self._write_tiles(tiles, self.tile_capacity(bucket))
         self.graphs[bucket].replay()
         self.num_replays[bucket] = self.num_replays.get(bucket, 0) + 1
         return self.outputs[bucket][:n]
@@ -143,10 +160,8 @@ class MixedGraphs:
             static[:s, table.shape[1]:].zero_()
             static[s:capacity].zero_()
 
-    def _write_tiles(self, query_lens: list[int], capacity: int) -> None:
-        # The decode kernel attends the one-query rows: no tile programs for them.
-        seq, q_tile = tile_table(torch.from_numpy(np.asarray(query_lens, dtype=np.int32)), self.block_q,
-                                 skip_single=True)
+    def _write_tiles(self, tiles: tuple[torch.Tensor, torch.Tensor], capacity: int) -> None:
+        seq, q_tile = tiles
         k = seq.shape[0]
         device = self.tile_seq.device
         self.tile_seq[:k].copy_(upload(seq, device))

@@ -166,9 +166,10 @@ class ModelRunner:
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens,
                                    meta.max_seq_len)
-        if self.mixed_graphs is not None and not meta.is_decode_only and \
-                self.mixed_graphs.bucket_for(meta.num_tokens, meta.num_seqs):
-            return self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
+        if self.mixed_graphs is not None and not meta.is_decode_only:
+            hidden = self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
+            if hidden is not None:
+                return hidden
         self.num_eager_forwards += 1
         return self.model(inputs.input_ids, inputs.positions, meta)
 
