@@ -260,8 +260,14 @@ def test_bench_serve_runs_against_the_server(embedded, tmp_path, capsys):
     assert main(["bench", "serve", "--url", embedded.url, "--workload", "ide-completion",
                  "--num-prompts", "4", "--request-rate", "20", "--scale", "0.02",
                  "--goodput", "ttft:60000", "--save-json", str(out)]) == 0
-    summary = json.loads(out.read_text())["summary"]
+    saved = json.loads(out.read_text())
+    summary, rows = saved["summary"], saved["requests"]
     assert summary["completed"] == 4 and summary["failed"] == 0
+    # Per request: sent in arrival order within the run, latencies as the summary's.
+    sent = sorted(r["sent_s"] for r in rows)
+    assert len(rows) == 4 and 0 <= sent[0] and sent[-1] < summary["duration_s"]
+    mean_ttft = sum(r["ttft_ms"] for r in rows) / len(rows)
+    assert mean_ttft == pytest.approx(summary["ttft_ms"]["mean"], abs=0.01)
     assert summary["server"]["prefix_cache_hit_rate"] > 0      # shared file prefixes
     assert "TTFT" in capsys.readouterr().out
 

@@ -36,6 +36,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    sent: float = 0.0   # when the request was sent (perf_counter; from the run's start once returned)
 
     @property
     def tpot(self) -> float | None:
@@ -69,7 +70,7 @@ class BenchClient:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
                 "temperature": 0.0, "ignore_eos": self.ignore_eos, "stream": True,
                 "stream_options": {"include_usage": True}}
-        start = last = time.perf_counter()
+        start = last = result.sent = time.perf_counter()
         try:
             async with self.http.stream("POST", f"{self.url}/v1/completions", json=body) as response:
                 if response.status_code != 200:
@@ -133,9 +134,9 @@ async def run_benchmark(client: BenchClient, requests: list[WorkloadRequest], re
             await done[request.after].wait()   # a multi-turn follow-up needs its predecessor
         try:
             if limit is None:
-                return await client.complete(request)
+                return _sent_at(await client.complete(request), start)
             async with limit:
-                return await client.complete(request)
+                return _sent_at(await client.complete(request), start)
         finally:
             done[i].set()
             bar.update(1)
@@ -151,6 +152,20 @@ async def run_benchmark(client: BenchClient, requests: list[WorkloadRequest], re
     after = await client.metrics()
     bar.close()
     return list(results), duration, before, after, samples
+
+
+def _sent_at(result: RequestResult, start: float) -> RequestResult:
+    """The request's send time, from the run's start."""
+    result.sent -= start
+    return result
+
+
+def request_rows(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """Per-request figures for --save-json, so a tail can be placed in time
+    (a cold start, a burst) rather than only counted."""
+    return [{"sent_s": round(r.sent, 4), "ok": r.ok, "ttft_ms": round(r.ttft * 1e3, 2),
+             "e2e_ms": round(r.e2e * 1e3, 2), "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens, "output_tokens": r.output_tokens} for r in results]
 
 
 async def _sample_kv(client: BenchClient, samples: list[KVSample], start: float) -> None:
@@ -340,7 +355,8 @@ async def _main(a: argparse.Namespace) -> int:
     if a.save_json:
         with open(a.save_json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "func"}, "summary": summary,
-                       "kv_samples": [asdict(s) for s in samples]}, f, indent=2)
+                       "kv_samples": [asdict(s) for s in samples], "requests": request_rows(results)},
+                      f, indent=2)
     if a.plot:
         plot(a.plot, results, samples, title)
     return 0
