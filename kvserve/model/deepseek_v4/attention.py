@@ -58,16 +58,17 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(config.hidden_size, self.dim, rate, True, config.rms_norm_eps)
 
-    def query(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-              rope: V4Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer queries [n, heads, dim] (roped) and float32 head weights [n, heads]."""
+    def query(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries [n, heads, dim] (roped by the compress rope's cos/sin;
+        `fused`: in one Triton launch) and float32 head weights [n, heads]."""
         q = self.wq_b(q_residual).view(len(x), self.n_heads, self.dim)
-        q = apply_rope(q, *rope.cos_sin("compress", positions, q.dtype))
+        q = _rotate(q, cos, sin, fused)
         return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                visible: torch.Tensor, rope: V4Rope) -> torch.Tensor:
-        q, weights = self.query(x, q_residual, positions, rope)
+        q, weights = self.query(x, q_residual, *rope.cos_sin("compress", positions, x.dtype))
         return ref.top_k_mask(ref.index_scores(q, keys, weights), visible, self.topk)
 
 
@@ -120,18 +121,19 @@ class V4Attention(nn.Module):
         Triton kernels. The step's sliding keys, compressor state and entries
         are written to the pages before the attention reads them."""
         from kvserve.model.deepseek_v4 import kernels
-        cos, sin = rope.cos_sin(self.rope_kind, positions, x.dtype)
-        q_residual, q, kv = self._project(x, cos, sin)
+        cos, sin = _step_rope(batch, rope, self.rope_kind, x.dtype)
+        q_residual, q, kv = self._project_fused(x, cos, sin)
         sliding = batch.page("sliding", self.layer_idx)
         kernels.write_rows(kv, sliding, batch)
         entries = self._compress_paged(x, batch, rope) if self.compressor is not None else None
         indices = None
         if self.indexer is not None:
-            q_index, weights = self.indexer.query(x, q_residual, positions, rope)
+            q_index, weights = self.indexer.query(x, q_residual, *_step_rope(batch, rope, "compress", x.dtype),
+                                                  fused=True)
             indices = kernels.index_top_k(q_index, weights, entries, self.dim, batch, self.rate, self.indexer.topk)
         out = kernels.sparse_attention(q, sliding, entries, indices, self.attn_sink, self.dim ** -0.5, self.window,
                                        self.rate, batch, torch.empty_like(q))
-        return self._output(out, cos, sin)
+        return self._output(out, cos, sin, fused=True)
 
     def _compress_paged(self, x: torch.Tensor, batch, rope: V4Rope):
         """Store the step's raw compressor rows, then pool the windows it closes
@@ -156,8 +158,16 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.wq_b(q_residual).view(len(x), self.n_heads, self.dim), self.eps)
         return q_residual, apply_rope(q, cos, sin), apply_rope(self.norm(self.wkv(x)), cos, sin)
 
-    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        out = apply_rope(out, cos, -sin)  # undo the rotation V picked up (K = V)
+    def _project_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """`_project` with each norm (+ rope) in one Triton launch (kernels/norm_rope.py)."""
+        from kvserve.model.deepseek_v4.kernels.norm_rope import UNWEIGHTED, WEIGHTED, norm_rope, rms_norm
+        q_residual = rms_norm(self.wq_a(x), self.q_norm.weight, self.q_norm.eps)
+        q = self.wq_b(q_residual).view(len(x), self.n_heads, self.dim)
+        q = norm_rope(q, cos, sin, UNWEIGHTED, eps=self.eps)
+        return q_residual, q, norm_rope(self.wkv(x), cos, sin, WEIGHTED, self.norm.weight, self.norm.eps)
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        out = _rotate(out, cos, sin, fused, inverse=True)  # undo the rotation V picked up (K = V)
         grouped = out.reshape(len(out), self.o_groups, -1)
         weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
         return self.wo_b(torch.einsum("ngi,goi->ngo", grouped, weight).flatten(1))
@@ -174,6 +184,23 @@ class V4Attention(nn.Module):
             index_keys = torch.cat([past.entries["indexer"], new_entries["indexer"]])
             visible = self.indexer.select(x, q_residual, positions, index_keys, visible, rope)
         return torch.cat([keys, entries]), torch.cat([mask, visible], dim=1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool, inverse: bool = False) -> torch.Tensor:
+    """apply_rope (back, with `inverse`); `fused`: one Triton launch instead of ~10 torch ops."""
+    if fused:
+        from kvserve.model.deepseek_v4.kernels.norm_rope import norm_rope
+        return norm_rope(x, cos, sin, inverse=inverse)
+    return apply_rope(x, cos, -sin if inverse else sin)
+
+
+def _step_rope(batch, rope: V4Rope, kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of a rope kind at the batch's positions, computed once per
+    forward and shared by its layers (forward_paged's positions are the batch's)."""
+    key = ("rope", kind, dtype)
+    if key not in batch.scratch:
+        batch.scratch[key] = rope.cos_sin(kind, batch.positions, dtype)
+    return batch.scratch[key]
 
 
 def _window_rope(batch, rope: V4Rope, rate: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,11 +118,20 @@ class Gate(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, indices
 
+    def forward_fused(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with everything after the GEMM in one Triton launch (kernels/router.py)."""
+        from kvserve.model.deepseek_v4.kernels.router import route_tokens
+        logits = F.linear(x, self.weight)
+        if self.is_hash:
+            return route_tokens(logits, self.func, self.top_k, self.scale, input_ids=input_ids, tid2eid=self.tid2eid)
+        return route_tokens(logits, self.func, self.top_k, self.scale, bias=self.bias)
+
 
 class MoE(nn.Module):
-    """Routed experts (stacked weights) + shared expert. The routed experts run
-    as Triton grouped GEMMs (kernels/moe.py: no host sync, CUDA-graph safe) on
-    CUDA, or wherever `backend` is "triton" (the CPU under TRITON_INTERPRET=1);
+    """Routed experts (stacked weights) + shared expert. The router's glue and
+    the routed experts run as Triton kernels (kernels/router.py, kernels/moe.py:
+    no host sync, CUDA-graph safe) on CUDA, or wherever `backend` is "triton"
+    (the CPU under TRITON_INTERPRET=1);
     elsewhere as a torch loop over the experts hit, the reference path."""
 
     def __init__(self, config: DeepseekV4Config, layer_idx: int) -> None:
@@ -137,11 +146,12 @@ class MoE(nn.Module):
         self.backend: str | None = None  # "triton", "torch"; None: "triton" on CUDA
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, indices = self.gate(x, input_ids)
         if (self.backend or ("triton" if x.is_cuda else "torch")) == "triton":
             from kvserve.model.deepseek_v4.kernels.moe import fused_moe
+            weights, indices = self.gate.forward_fused(x, input_ids)
             routed = fused_moe(x, self.w1, self.w3, self.w2, weights, indices, self.limit)
         else:
+            weights, indices = self.gate(x, input_ids)
             routed = self.routed_reference(x, weights, indices)
         return routed + self.shared_experts(x)
 

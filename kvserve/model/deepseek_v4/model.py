@@ -39,16 +39,34 @@ class V4Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 query_lens: Sequence[int], stores: Sequence, rope: V4Rope, batch=None) -> torch.Tensor:
-        post, comb, x = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.config)
-        x = self.attn_norm(x)
+        fused = batch is not None  # the kernel path: mHC glue and norms as Triton kernels too
+        post, comb, x = self._pre("attn", streams, fused)
         if batch is not None:  # paged storage, Triton kernels: the whole batch at once
             attn = self.attn.forward_paged(x, positions, batch, rope)
         else:
             attn = torch.cat([self.attn(xs, ps, store, rope) for xs, ps, store in
                               zip(x.split(list(query_lens)), positions.split(list(query_lens)), stores)])
-        streams = hc_merge(streams, attn, post, comb)
-        post, comb, x = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.config)
-        return hc_merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
+        streams = self._merge(streams, attn, post, comb, fused)
+        post, comb, x = self._pre("ffn", streams, fused)
+        return self._merge(streams, self.ffn(x, input_ids), post, comb, fused)
+
+    def _pre(self, kind: str, streams: torch.Tensor, fused: bool):
+        """(post, comb, normed block input) of the attention or MoE sub-block."""
+        fn, base, scale = (getattr(self, f"hc_{kind}_{p}") for p in ("fn", "base", "scale"))
+        norm = self.attn_norm if kind == "attn" else self.ffn_norm
+        if fused:
+            from kvserve.model.deepseek_v4.kernels.mhc import hc_pre_norm
+            return hc_pre_norm(streams, fn, base, scale, norm.weight, norm.eps, self.config)
+        post, comb, x = hc_pre(streams, fn, base, scale, self.config)
+        return post, comb, norm(x)
+
+    @staticmethod
+    def _merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               fused: bool) -> torch.Tensor:
+        if fused:
+            from kvserve.model.deepseek_v4.kernels import mhc
+            return mhc.hc_merge(streams, block_out, post, comb)
+        return hc_merge(streams, block_out, post, comb)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
