@@ -12,6 +12,7 @@ accept or reject at once, before the next step, so the API side can return a
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -283,12 +284,24 @@ def run_core_process(args, input_address: str, output_address: str, ready, log_l
         transport.close()
 
 
+def freeze_startup_heap() -> None:
+    """Put every object built at start-up (model, block pool, graphs) out of
+    the cyclic collector's reach, as vLLM does. A full collection walks all
+    tracked objects: 140 ms for the 332K of a 2-layer Qwen3-8B-shaped engine
+    on a 2-core CPU, a stall of the step loop each time it runs; a served
+    H200 run's worst TTFTs came in such bursts, requests sent within 50 ms
+    of each other all waiting ~200 ms."""
+    gc.collect()
+    gc.freeze()
+
+
 def _build_engine(args, ready, engine_hook):
     from kvserve.engine.llm_engine import LLMEngine
     try:
         engine = LLMEngine(args)
         if engine_hook is not None:
             engine_hook(engine)
+        freeze_startup_heap()
         ready.send(("ready", CoreInfo.of(engine)))
         return engine
     except Exception as e:

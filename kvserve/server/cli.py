@@ -47,6 +47,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from kvserve.cli import engine_kwargs
     from kvserve.config import EngineArgs
+    from kvserve.engine.core_process import freeze_startup_heap
     from kvserve.server.app import build_app, default_model_names
 
     if a.model_tag is not None:
@@ -61,6 +62,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # The engine core is built in its own process from these args (kvserve/engine/core_process.py).
     app = build_app(EngineArgs(**engine_kwargs(a), usage="server"), names, a.max_waiting_requests,
                     _server_options(a))
+    freeze_startup_heap()  # the API server's own start-up heap (tokenizer, app)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level,
                 access_log=not a.disable_uvicorn_access_log)
     return 0
