@@ -248,6 +248,32 @@ def test_a_core_that_raises_fails_its_requests_and_turns_unhealthy(tiny_args):
     asyncio.run(asyncio.wait_for(run(), 120))
 
 
+def refuse_unfrozen_heap(engine) -> None:
+    """engine_hook for the core process: a step on an unfrozen start-up heap raises."""
+    step = engine.step
+
+    def checked_step():
+        if gc.get_freeze_count() == 0:
+            raise RuntimeError("the start-up heap was not frozen")
+        return step()
+    engine.step = checked_step
+
+
+def test_the_core_freezes_its_start_up_heap(tiny_args):
+    """Full collections must not walk the model and block pool on the step
+    loop: the core freezes what start-up built before it serves."""
+    async def run():
+        engine = AsyncEngine(tiny_args, engine_hook=refuse_unfrozen_heap)
+        engine.start()
+        try:
+            sub, _ = await engine.submit(Job([_prompt(3)], {"temperature": 0.0, "ignore_eos": True}, 4))
+            received = [delta async for delta in engine.deltas(sub)]
+            assert received and engine.is_healthy
+        finally:
+            engine.shutdown()
+    asyncio.run(asyncio.wait_for(run(), 120))
+
+
 # -- the core loop, in-process ------------------------------------------------------------
 class FakeTransport:
     def __init__(self) -> None:
