@@ -47,7 +47,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from kvserve.cli import engine_kwargs
     from kvserve.config import EngineArgs
-    from kvserve.engine.core_process import freeze_startup_heap
+    from kvserve.engine.gc_heap import freeze_startup_heap
     from kvserve.server.app import build_app, default_model_names
 
     if a.model_tag is not None:
