@@ -82,3 +82,42 @@ def online_softmax_tile(s, m_i, l_i, acc, v_ptrs, key_valid, DOT_PRECISION: tl.c
     v = tl.load(v_ptrs, mask=key_valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, part_index, head, row_valid,
+                split, num_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+    """Rows' final output at query `token` (DIRECT: one split, no reduce), or
+    this split's normalised partial and its log2-sum-exp at partial row
+    (part_index, head, split) of [*, NUM_HEADS, num_splits, HEAD_DIM].
+    `token` and `part_index` are per row or one for all rows."""
+    dims = tl.arange(0, HEAD_DIM)
+    has_keys = l_i > 0  # an empty split (past a row's keys) merges as weight 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if DIRECT:
+        out_offs = token * stride_ot + head * stride_oh
+        tl.store(out_ptr + out_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        part_row = (part_index * NUM_HEADS + head).to(tl.int64) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def merge_splits(part_out_ptr, part_lse_ptr, first_row, num_splits, SPLITS_POW2: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    """One (row, head)'s output [HEAD_DIM] in float32 from its splits' partials
+    (`store_split`), each weighted by its softmax mass; an empty split
+    (log2-sum-exp -inf) weighs 0. Every split is loaded at once."""
+    splits = tl.arange(0, SPLITS_POW2)
+    split_valid = splits < num_splits
+    rows = first_row + splits
+    lse = tl.load(part_lse_ptr + rows, mask=split_valid, other=float("-inf"))
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.max(lse, 0)))
+    part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+                   mask=split_valid[:, None], other=0.0)
+    return tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)

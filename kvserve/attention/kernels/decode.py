@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, score_tile,
-                                              split_range, visible_range)
+from kvserve.attention.kernels.common import (dot_precision, merge_splits, online_softmax_tile,
+                                              score_tile, split_range, store_split, visible_range)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -157,28 +157,8 @@ def _decode_split_kernel(
                    + kv_head_offset + dims)
             tl.store(k_cache_ptr + dst, k_new)
             tl.store(v_cache_ptr + dst, v_new)
-    _store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
-                 split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
-
-
-@triton.jit
-def _store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
-                 split, num_splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
-    """The final output (DIRECT: one split, no reduce) or this split's
-    normalised partial and its log2-sum-exp."""
-    dims = tl.arange(0, HEAD_DIM)
-    has_keys = l_i > 0  # an empty split (past this sequence's end) merges as weight 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if DIRECT:
-        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-    else:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=row_valid[:, None])
-        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
+                split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
 
 @triton.jit
@@ -192,18 +172,10 @@ def _decode_reduce_kernel(
     if SINGLE_ONLY:
         if _query_len(query_start_loc_ptr, seq) != 1:
             return
-    splits = tl.arange(0, SPLITS_POW2)
-    split_valid = splits < num_splits
     row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
-    lse = tl.load(part_lse_ptr + row + splits, mask=split_valid, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    weight = tl.where(split_valid, weight, 0.0)
-    dims = tl.arange(0, HEAD_DIM)
-    part = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
-                   mask=split_valid[:, None], other=0.0)
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    out = merge_splits(part_out_ptr, part_lse_ptr, row, num_splits, SPLITS_POW2, HEAD_DIM)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM),
              out.to(out_ptr.dtype.element_ty))
 
 

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.metadata import PrefillTiles
-from kvserve.attention.kernels.common import (dot_precision, online_softmax_tile, score_tile,
-                                              split_range, visible_range)
+from kvserve.attention.kernels.common import (dot_precision, merge_splits, online_softmax_tile,
+                                              score_tile, split_range, store_split, visible_range)
 from kvserve.attention.kernels.decode import sm_count
 
 LOG2E = 1.4426950408889634
@@ -193,19 +193,10 @@ def _prefill_kernel(
                                     table_row, stride_cache_block, stride_cache_offset,
                                     kv_head_offset, qk_scale, window, sink, BLOCK_M, HEAD_DIM,
                                     PAGE_SIZE, BLOCK_N, SLIDING, DOT_PRECISION)
-    has_keys = l_i > 0  # a split past a row's causal limit holds none of its keys
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    # A split past a row's causal limit holds none of its keys: it merges as weight 0.
     token = (q_start + tok).to(tl.int64)
-    if DIRECT:
-        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(out_ptr + o_offs + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
-    else:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        part_row = (token * NUM_HEADS + head) * num_splits + split
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=row_valid[:, None])
-        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, token, head, row_valid,
+                split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
 
 @triton.jit
@@ -226,20 +217,12 @@ def _prefill_reduce_kernel(
     if idle | (tok >= q_len):
         return
     token = (q_start + tok).to(tl.int64)
-    splits = tl.arange(0, SPLITS_POW2)
-    split_valid = splits < num_splits
     dims = tl.arange(0, HEAD_DIM)
     for g in tl.static_range(GROUP):
         head = tl.program_id(2) * GROUP + g
-        row = (token * NUM_HEADS + head) * num_splits + splits
-        lse = tl.load(part_lse_ptr + row, mask=split_valid, other=float("-inf"))
-        # Every query sees its own key, so some split holds keys and the max is finite.
-        weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.max(lse, 0)))
-        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
-                       mask=split_valid[:, None], other=0.0)
-        out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
-                 out.to(out_ptr.dtype.element_ty))
+        out = merge_splits(part_out_ptr, part_lse_ptr, (token * NUM_HEADS + head) * num_splits, num_splits,
+                           SPLITS_POW2, HEAD_DIM)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
