@@ -36,7 +36,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
-    sent: float = 0.0   # when the request was sent (perf_counter; from the run's start once returned)
+    sent: float = 0.0   # seconds from the run's start until the request was sent
 
     @property
     def tpot(self) -> float | None:
@@ -70,7 +70,7 @@ class BenchClient:
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
                 "temperature": 0.0, "ignore_eos": self.ignore_eos, "stream": True,
                 "stream_options": {"include_usage": True}}
-        start = last = result.sent = time.perf_counter()
+        start = last = time.perf_counter()
         try:
             async with self.http.stream("POST", f"{self.url}/v1/completions", json=body) as response:
                 if response.status_code != 200:
@@ -134,9 +134,9 @@ async def run_benchmark(client: BenchClient, requests: list[WorkloadRequest], re
             await done[request.after].wait()   # a multi-turn follow-up needs its predecessor
         try:
             if limit is None:
-                return _sent_at(await client.complete(request), start)
+                return await _send(client, request, start)
             async with limit:
-                return _sent_at(await client.complete(request), start)
+                return await _send(client, request, start)
         finally:
             done[i].set()
             bar.update(1)
@@ -154,9 +154,11 @@ async def run_benchmark(client: BenchClient, requests: list[WorkloadRequest], re
     return list(results), duration, before, after, samples
 
 
-def _sent_at(result: RequestResult, start: float) -> RequestResult:
-    """The request's send time, from the run's start."""
-    result.sent -= start
+async def _send(client: BenchClient, request: WorkloadRequest, start: float) -> RequestResult:
+    """`client.complete`, with the send time from the run's `start` recorded."""
+    sent = time.perf_counter() - start
+    result = await client.complete(request)
+    result.sent = sent
     return result
 
 
