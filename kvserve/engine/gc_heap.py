@@ -3,9 +3,10 @@
 A full (generation 2) collection walks every tracked object. An engine's
 start-up builds hundreds of thousands of them (modules, the block pool's
 blocks, CUDA graphs' bookkeeping): 136-181 ms a pass for the 332K objects
-of a 2-layer Qwen3-8B-shaped engine on a 2-core CPU (benchmarks/gc_pass_bench.py). Each pass stalls the loop
-that feeds the GPU; a served H200 run's worst TTFTs came in such bursts
-(docs/BENCHMARKS.md). Frozen objects are skipped by every collection.
+of a 2-layer Qwen3-8B-shaped engine on a 2-core CPU
+(benchmarks/gc_pass_bench.py). Each pass stalls the loop that feeds the GPU;
+a served H200 run's worst TTFTs came in such bursts (docs/BENCHMARKS.md).
+Frozen objects are skipped by every collection.
 
 Offline `generate` is left alone: there a run's own requests stay alive to
 its end and make up most of what a full pass walks. Tried on a 2-core CPU

@@ -87,7 +87,7 @@ class MixedGraphs:
         one partial tile for each of up to CHUNK_TILES prompt chunks."""
         return -(-bucket // self.block_q) + min(self.seq_capacity(bucket), CHUNK_TILES)
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, num_tiles: int = 0) -> int | None:
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_tiles: int) -> int | None:
         """Smallest captured bucket holding the step's tokens, sequences and
         query tiles, or None (run eagerly)."""
         i = bisect.bisect_left(self.buckets, max(num_tokens, num_seqs))
