@@ -347,3 +347,30 @@ def test_core_abort_frees_blocks_and_stops_outputs(tiny_args):
         core.run_once()
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache.usage == 0.0
+
+
+def test_the_step_trace_records_every_step_with_its_shape(tiny_args, tmp_path, monkeypatch):
+    """KVSERVE_STEP_TRACE: one line per step, with the launched step's rows and
+    prompt tokens, and a summary that splits prefill-carrying from decode-only steps."""
+    from kvserve.engine import step_trace
+    from kvserve.engine.llm_engine import LLMEngine
+    path = tmp_path / "steps.tsv"
+    monkeypatch.setenv(step_trace.ENV, str(path))
+    monkeypatch.setattr(step_trace, "FLUSH_EVERY", 3)   # batches reach the file, and the rest at exit
+    engine = LLMEngine(tiny_args)
+    transport = FakeTransport()
+    core = EngineCore(engine, transport)
+    transport.inbox.append(CoreInputs(adds=[CoreJob("a", [_request(f"a{i}", _prompt(i), max_tokens=5)
+                                                          for i in range(3)])]))
+    core.run_once()                               # the adds, then the first step
+    while engine.has_unfinished_requests():
+        core.run_once()
+    transport.inbox.append(CoreInputs(shutdown=True))
+    core.serve()                                  # takes the shutdown; flushes what is left
+    steps = step_trace.read(str(path))
+    assert len(steps) == engine.stats.num_steps + 1   # + the step that only resolved the last one
+    assert [s["prompt_tokens"] for s in steps[:2]] == [48, 0] and steps[0]["rows"] == 3
+    assert steps[-1]["rows"] == 0                     # nothing launched: the last step only waited
+    assert all(s["step_ms"] >= s["wait_ms"] >= 0 and s["eager"] == 1 for s in steps)
+    text = step_trace.summary(steps)
+    assert "mixed/eager" in text and "decode/eager" in text

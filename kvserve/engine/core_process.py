@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol
 
 from kvserve.diagnose.endpoint import engine_snapshot
 from kvserve.engine.gc_heap import freeze_startup_heap
+from kvserve.engine.step_trace import StepTrace, now
 from kvserve.engine.core_protocol import (
     Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, DebugReply, Rejection, unpack_sampling_params)
 
@@ -77,6 +78,7 @@ class EngineCore:
         self._last_metrics = 0.0
         self._idle_reported = False
         self._grammar_tokenizer = None   # xgrammar.TokenizerInfo, built at the first grammar
+        self._trace = StepTrace.from_env()
 
     def serve(self, idle_check: Callable[[], bool] = lambda: True) -> None:
         """Run until a shutdown input arrives or `idle_check` says stop. An
@@ -88,6 +90,9 @@ class EngineCore:
             logger.exception("engine core failed")
             self.transport.send(CoreOutputs(error=f"{type(e).__name__}: {e}"))
             raise
+        finally:
+            if self._trace is not None:
+                self._trace.flush()
 
     def run_once(self, idle_check: Callable[[], bool] = lambda: True) -> bool:
         """One turn: apply waiting inputs, then step if anything is unfinished.
@@ -154,10 +159,18 @@ class EngineCore:
 
     # -- outputs -------------------------------------------------------------------
     def _step(self) -> None:
-        message = self._outputs(self.engine.step())
-        now = time.monotonic()
-        if now - self._last_metrics >= METRICS_INTERVAL_S:
-            message.metrics, self._last_metrics = self.engine.get_metrics(), now
+        start = now()
+        touched = self.engine.step()
+        stepped = now()
+        self._send(self._outputs(touched))
+        if self._trace is not None:
+            self._trace.record(start, stepped - start, self.engine.last_wait_s, now() - stepped, self.engine)
+
+    def _send(self, message: CoreOutputs) -> None:
+        """The step's message, with a metrics snapshot at most every METRICS_INTERVAL_S."""
+        clock = time.monotonic()
+        if clock - self._last_metrics >= METRICS_INTERVAL_S:
+            message.metrics, self._last_metrics = self.engine.get_metrics(), clock
         if message.outputs or message.next_ids or message.metrics is not None:
             self.transport.send(message)
 

@@ -45,6 +45,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self._num_failed_steps = 0
+        self.last_wait_s = 0.0   # the last step's wait for its predecessor's ids (engine/step_trace.py)
         self.recorder = RequestRecorder(self.kv_cache.block_size)  # reuse + timelines for diagnose
 
     # -- intake --------------------------------------------------------------
@@ -155,12 +156,15 @@ class LLMEngine:
     def _finish_in_flight(self, launched: InFlightStep | None) -> list[Request]:
         """Resolve the step in flight (if any) and make `launched` the new one."""
         previous, self._in_flight = self._in_flight, launched
+        self.last_wait_s = 0.0
         if previous is None:
             return []
+        start = time.perf_counter()
         try:
             result = previous.resolve()
         except Exception as e:  # its sampled tokens are lost: its rows cannot go on
             return self._on_step_error(e, [s.request for s in previous.rows])
+        self.last_wait_s = time.perf_counter() - start
         return self._process(result)
 
     # -- fault isolation -----------------------------------------------------------
@@ -351,12 +355,14 @@ class EngineStats:
         self.num_finished = 0
         self.prefill_time_s = 0.0
         self.step_time_s = 0.0
+        self.last_prompt_tokens = 0     # the last step's (engine/step_trace.py)
 
     def record_step(self, out, seconds: float) -> None:
         self.num_steps += 1
         self.step_time_s += seconds
         # One pass over the batch: a step with any chunk of > 1 token counts as prefill time.
         prompt_tokens = sum([n for s in out.scheduled if (n := s.num_new_tokens) > 1])
+        self.last_prompt_tokens = prompt_tokens
         if prompt_tokens:
             self.prefill_time_s += seconds
         self.num_prompt_tokens += prompt_tokens

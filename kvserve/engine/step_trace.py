@@ -1,0 +1,126 @@
+"""Step trace: where a serving engine core's time goes, step by step.
+
+`KVSERVE_STEP_TRACE=FILE kvserve serve ...` makes the core append one line per
+step to FILE (tab-separated, flushed every FLUSH_EVERY steps, so a killed
+server keeps nearly all of it):
+
+    start_s  step_ms  wait_ms  out_ms  rows  prompt_tokens  eager
+
+- `step_ms`: `LLMEngine.step` (schedule, launch of step N+1, wait for step N,
+  output processing);
+- `wait_ms`: the part of it spent waiting for step N's sampled ids. Steps are
+  pipelined one deep, so a step whose wait is near zero was bound by the host:
+  the device had finished before the host asked;
+- `out_ms`: building and sending the step's output message;
+- `rows`, `prompt_tokens`: the launched step's scheduled requests and its
+  prompt tokens (chunks of more than one token); `eager`: 1 when the launched
+  step ran without a CUDA graph.
+
+`python -m kvserve.engine.step_trace FILE` prints, per kind of step (decode
+only or mixed, graph or eager), the step period (start to next start: what a
+stream's inter-token latency is made of) and its parts, as percentiles.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+ENV = "KVSERVE_STEP_TRACE"
+FLUSH_EVERY = 256
+HEADER = "start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\n"
+
+
+class StepTrace:
+    """Collects step lines in memory and appends them to `path` in batches."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lines: list[str] = []
+        with open(path, "w") as f:
+            f.write(HEADER)
+
+    @classmethod
+    def from_env(cls) -> "StepTrace | None":
+        path = os.environ.get(ENV)
+        return cls(path) if path else None
+
+    def record(self, start: float, step_s: float, wait_s: float, out_s: float, engine) -> None:
+        launched = engine._in_flight
+        rows = len(launched.rows) if launched is not None else 0
+        self._lines.append(f"{start:.6f}\t{step_s * 1e3:.3f}\t{wait_s * 1e3:.3f}\t{out_s * 1e3:.3f}\t{rows}\t"
+                           f"{engine.stats.last_prompt_tokens}\t{int(engine.runner.last_forward_eager)}\n")
+        if len(self._lines) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        with open(self.path, "a") as f:
+            f.writelines(self._lines)
+        self._lines.clear()
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+# -- the summary ------------------------------------------------------------------------
+def read(path: str) -> list[dict[str, float]]:
+    with open(path) as f:
+        names = f.readline().split()
+        return [dict(zip(names, map(float, line.split()))) for line in f if line.strip()]
+
+
+def with_periods(steps: list[dict[str, float]], max_gap_s: float = 0.5) -> list[dict[str, float]]:
+    """Each step gets `period_ms` (to the next step's start) and `rest_ms` (the
+    period less step and output: the core loop's input polling); the last
+    step and steps before an idle gap have none."""
+    out = []
+    for a, b in zip(steps, steps[1:]):
+        gap = b["start_s"] - a["start_s"]
+        if gap <= max_gap_s:
+            out.append({**a, "period_ms": gap * 1e3, "rest_ms": gap * 1e3 - a["step_ms"] - a["out_ms"]})
+    return out
+
+
+def kind(step: dict[str, float]) -> str:
+    mode = "eager" if step["eager"] else "graph"
+    return f"{'mixed' if step['prompt_tokens'] else 'decode'}/{mode}"
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summary(steps: list[dict[str, float]]) -> str:
+    groups: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for s in with_periods(steps):
+        groups[kind(s)].append(s)
+        groups["all"].append(s)
+    cols = ("period_ms", "step_ms", "wait_ms", "out_ms", "rest_ms")
+    lines = [f"{'kind':<14}{'steps':>7}{'rows p50':>9}{'prompt p50':>11}"
+             + "".join(f"{c[:-3] + ' p50/p90':>18}" for c in cols)]
+    for name, group in sorted(groups.items()):
+        head = (f"{name:<14}{len(group):>7}{statistics.median(s['rows'] for s in group):>9.0f}"
+                f"{statistics.median(s['prompt_tokens'] for s in group):>11.0f}")
+        cells = "".join(f"{percentile([s[c] for s in group], .5):>10.2f}/{percentile([s[c] for s in group], .9):<7.2f}"
+                        for c in cols)
+        lines.append(head + cells)
+    host_bound = sum(s["wait_ms"] < 0.1 for s in groups["all"]) / max(len(groups["all"]), 1)
+    lines.append(f"ms; host-bound steps (wait < 0.1 ms): {host_bound:.0%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m kvserve.engine.step_trace FILE   (written by {ENV}=FILE kvserve serve)")
+        return 2
+    print(summary(read(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
