@@ -9,15 +9,24 @@ N requests decode (prompt: one of 4 shared 700-token prefixes plus a unique suff
 Each phase's ms per step is wall clock over its steps after one warm-up step (pipelined steps
 under CUDA graphs: the device time per step once the device is the bottleneck). `--profile`
 adds a torch.profiler pass per phase: the top device kernels' microseconds per step.
+Each phase also prints the host ms per step: `LLMEngine.step` less its wait for the step in
+flight. A phase whose host ms reaches its ms/step is bound by the host, not the device.
+`--host-profile` adds a cProfile of the last mixed phase's steps, and `--sync-check` runs a few
+of its steps in CUDA sync-debug mode, printing where each synchronising call came from.
 
     python3 benchmarks/mixed_step_bench.py --model dummy:qwen3-8b --device cuda --profile
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
+import statistics
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -62,19 +71,57 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | None) -> float:
-    """ms per step over `steps` steps (one warm-up step first)."""
+def timed(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | None) -> tuple[float, float]:
+    """ms per step over `steps` steps (one warm-up step first), and the median host ms of a step."""
+    host = []
+
     def one() -> None:
         if new_tokens is not None:
             traffic.swap_one(new_tokens)
+        start = time.perf_counter()
         engine.step()
+        host.append((time.perf_counter() - start - engine.last_wait_s) * 1e3)
     one()
     _sync()
     start = time.perf_counter()
     for _ in range(steps):
         one()
     _sync()
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / steps * 1e3, statistics.median(host[1:])
+
+
+def host_profile(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    timed(engine, traffic, steps, new_tokens)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(20)
+
+
+def sync_check(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int) -> None:
+    """Run `steps` mixed steps in sync-debug mode; print each synchronising call's stack once."""
+    seen = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        stack = "".join(traceback.format_stack()[-8:-2])
+        if stack not in seen:
+            seen.add(stack)
+            print(f"SYNC: {message}\n{stack}")
+    warnings.showwarning, old = show, warnings.showwarning
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            for _ in range(steps):
+                traffic.swap_one(new_tokens)
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    print(f"sync check: {len(seen)} distinct synchronising call stacks in {steps} mixed steps")
 
 
 def top_kernels(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int | None,
@@ -99,6 +146,8 @@ def main() -> None:
     p.add_argument("--hf-overrides", default=None, help="JSON merged into the model config")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--host-profile", action="store_true")
+    p.add_argument("--sync-check", action="store_true")
     a = p.parse_args()
     engine = build(a)
     traffic = Traffic(engine, a)
@@ -109,7 +158,12 @@ def main() -> None:
     phases = [("decode", None)] + [(f"mixed-{s}", int(s)) for s in a.chunks.split(",")]
     print(f"model={a.model} running={a.running} steps={a.steps} graphs={'off' if a.enforce_eager else 'on'}")
     for name, new_tokens in phases:
-        print(f"{name:>10}: {timed(engine, traffic, a.steps, new_tokens):7.2f} ms/step")
+        ms, host_ms = timed(engine, traffic, a.steps, new_tokens)
+        print(f"{name:>10}: {ms:7.2f} ms/step   host {host_ms:6.2f} ms/step")
+    if a.sync_check:
+        sync_check(engine, traffic, 6, phases[-1][1])
+    if a.host_profile:
+        host_profile(engine, traffic, a.steps, phases[-1][1])
     if a.profile:
         for name, new_tokens in phases:
             print(f"-- {name}: device us per step, top kernels")

@@ -351,11 +351,13 @@ def test_core_abort_frees_blocks_and_stops_outputs(tiny_args):
 
 def test_the_step_trace_records_every_step_with_its_shape(tiny_args, tmp_path, monkeypatch):
     """KVSERVE_STEP_TRACE: one line per step, with the launched step's rows and
-    prompt tokens, and a summary that splits prefill-carrying from decode-only steps."""
+    prompt tokens, and a summary that splits prefill-carrying from decode-only steps.
+    KVSERVE_CORE_PROFILE: a cProfile of the same steps."""
     from kvserve.engine import step_trace
     from kvserve.engine.llm_engine import LLMEngine
     path = tmp_path / "steps.tsv"
     monkeypatch.setenv(step_trace.ENV, str(path))
+    monkeypatch.setenv(step_trace.PROFILE_ENV, str(tmp_path / "steps.prof"))
     monkeypatch.setattr(step_trace, "FLUSH_EVERY", 3)   # batches reach the file, and the rest at exit
     engine = LLMEngine(tiny_args)
     transport = FakeTransport()
@@ -374,3 +376,28 @@ def test_the_step_trace_records_every_step_with_its_shape(tiny_args, tmp_path, m
     assert all(s["step_ms"] >= s["wait_ms"] >= 0 and s["eager"] == 1 for s in steps)
     text = step_trace.summary(steps)
     assert "mixed/eager" in text and "decode/eager" in text
+    profile = (tmp_path / "steps.prof").read_text()
+    assert profile.startswith(f"{len(steps)} steps") and "llm_engine.py" in profile and "(step)" in profile
+
+
+def test_a_gpu_core_runs_its_host_ops_on_one_torch_thread(monkeypatch):
+    """A CUDA core drops torch's intra-op pool to one thread (its pool only
+    contends with the server's processes); OMP_NUM_THREADS overrides that,
+    and a CPU engine, which computes on those threads, keeps them."""
+    import torch
+
+    from kvserve.engine import core_process
+    calls = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def engine(device: str):
+        return SimpleNamespace(runner=SimpleNamespace(device=torch.device(device)))
+    core_process.limit_host_threads(engine("cpu"))
+    assert calls == []
+    core_process.limit_host_threads(engine("cuda"))
+    assert calls == [1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    core_process.limit_host_threads(engine("cuda"))
+    assert calls == [1]

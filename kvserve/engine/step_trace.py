@@ -19,17 +19,25 @@ server keeps nearly all of it):
 `python -m kvserve.engine.step_trace FILE` prints, per kind of step (decode
 only or mixed, graph or eager), the step period (start to next start: what a
 stream's inter-token latency is made of) and its parts, as percentiles.
+
+`KVSERVE_CORE_PROFILE=FILE` adds a cProfile of every step of the core's
+(`LLMEngine.step` and the output message), rewritten to FILE every
+PROFILE_EVERY steps and at exit: where a step's host time goes.
 """
 from __future__ import annotations
 
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import time
 from collections import defaultdict
 
 ENV = "KVSERVE_STEP_TRACE"
+PROFILE_ENV = "KVSERVE_CORE_PROFILE"
 FLUSH_EVERY = 256
+PROFILE_EVERY = 2000
 HEADER = "start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\n"
 
 
@@ -59,6 +67,36 @@ class StepTrace:
         with open(self.path, "a") as f:
             f.writelines(self._lines)
         self._lines.clear()
+
+
+class StepProfile:
+    """A cProfile over the core's steps, written out every PROFILE_EVERY steps."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.profiler = cProfile.Profile()
+        self.num_steps = 0
+
+    @classmethod
+    def from_env(cls) -> "StepProfile | None":
+        path = os.environ.get(PROFILE_ENV)
+        return cls(path) if path else None
+
+    def __enter__(self) -> None:
+        self.profiler.enable()
+
+    def __exit__(self, *exc) -> None:
+        self.profiler.disable()
+        self.num_steps += 1
+        if self.num_steps % PROFILE_EVERY == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        with open(self.path, "w") as f:
+            f.write(f"{self.num_steps} steps\n")
+            stats = pstats.Stats(self.profiler, stream=f)
+            stats.sort_stats("cumulative").print_stats(60)
+            stats.sort_stats("tottime").print_stats(30)
 
 
 def now() -> float:
