@@ -37,6 +37,6 @@ for run in $runs; do
   echo "\$ kvserve bench serve --workload $w --num-prompts $n --request-rate $r --tokenizer $dir --max-len 8192"
   timeout 300 python3 -m kvserve.cli bench serve --url "http://127.0.0.1:$port" --workload "$w" \
     --num-prompts "$n" --request-rate "$r" --tokenizer "$dir" --max-len 8192 \
-    --save-json "$OUT/${engine}_${w}_${r}.json" 2>&1 | grep -E "^(=|Succ|Failed|Bench|Request thr|latency|TTFT|ITL|E2E|Prefix|Preem|errors)" | cut -c1-160
+    --save-json "$OUT/${engine}_${w}_${r}.json" 2>&1 | grep -E "^(=|Succ|Failed|Bench|Request thr|Send lag|latency|TTFT|ITL|E2E|Prefix|Preem|errors)" | cut -c1-160
 done
 kill $server; wait $server 2> /dev/null

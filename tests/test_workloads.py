@@ -90,3 +90,52 @@ def test_summary_from_results_and_metrics_diff():
     assert s["tpot_ms"]["mean"] == pytest.approx(100.0)
     assert s["server"]["prefix_cache_hit_rate"] == pytest.approx(0.6)
     assert s["server"]["evictions_per_s"] == pytest.approx(1.0)
+
+
+def test_arrival_times_are_the_poisson_gaps_summed():
+    import itertools
+    import random
+
+    from kvserve.bench.serve import arrival_times
+    rng, again = random.Random(3), random.Random(3)
+    gaps = [again.expovariate(40.0) for _ in range(9)]
+    times = arrival_times(10, 40.0, rng)
+    assert times[0] == 0.0 and times[1:] == pytest.approx(list(itertools.accumulate(gaps)))
+    assert arrival_times(4, float("inf"), rng) == [0.0] * 4
+
+
+def test_a_busy_client_catches_up_with_the_schedule():
+    """Requests are sent at their scheduled times, not after gaps measured from
+    the last send: a client whose loop is busy 80% of the time (reading other
+    streams) wakes late from every sleep, and with gaps those delays add up
+    (~4 ms a request here, ~160 ms by the 40th)."""
+    import asyncio
+    import time
+
+    from kvserve.bench.serve import run_benchmark
+    from kvserve.bench.workloads import WorkloadRequest
+
+    class Client:
+        async def metrics(self):
+            return {}
+
+        async def complete(self, request):
+            return RequestResult(request.scenario, ok=True)
+
+    async def busy(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            time.sleep(0.008)            # holds the event loop, as parsing many streams does
+            await asyncio.sleep(0.002)
+
+    async def run():
+        stop = asyncio.Event()
+        loop_hog = asyncio.ensure_future(busy(stop))
+        requests = [WorkloadRequest([1, 2, 3], 4, "qa", None) for _ in range(40)]
+        results, *_ = await run_benchmark(Client(), requests, 100.0, None, 0, progress=False)
+        stop.set()
+        await loop_hog
+        return results
+    results = asyncio.run(run())
+    lags = [r.sent - r.due for r in results]
+    assert all(r.due is not None for r in results) and min(lags) >= 0
+    assert lags[-1] < 0.05
