@@ -349,7 +349,8 @@ def test_core_abort_frees_blocks_and_stops_outputs(tiny_args):
     assert engine.kv_cache.usage == 0.0
 
 
-def test_the_step_trace_records_every_step_with_its_shape(tiny_args, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["llama", "dummy:tiny-deepseek-v4"])
+def test_the_step_trace_records_every_step_with_its_shape(model, tiny_args, tmp_path, monkeypatch):
     """KVSERVE_STEP_TRACE: one line per step, with the launched step's rows and
     prompt tokens, and a summary that splits prefill-carrying from decode-only steps.
     KVSERVE_CORE_PROFILE: a cProfile of the same steps."""
@@ -359,6 +360,8 @@ def test_the_step_trace_records_every_step_with_its_shape(tiny_args, tmp_path, m
     monkeypatch.setenv(step_trace.ENV, str(path))
     monkeypatch.setenv(step_trace.PROFILE_ENV, str(tmp_path / "steps.prof"))
     monkeypatch.setattr(step_trace, "FLUSH_EVERY", 3)   # batches reach the file, and the rest at exit
+    if model != "llama":   # DeepSeek V4's runner is a ModelRunner of its own
+        tiny_args = EngineArgs(model=model, dtype="float32", device="cpu", max_model_len=256)
     engine = LLMEngine(tiny_args)
     transport = FakeTransport()
     core = EngineCore(engine, transport)
@@ -373,7 +376,8 @@ def test_the_step_trace_records_every_step_with_its_shape(tiny_args, tmp_path, m
     assert len(steps) == engine.stats.num_steps + 1   # + the step that only resolved the last one
     assert [s["prompt_tokens"] for s in steps[:2]] == [48, 0] and steps[0]["rows"] == 3
     assert steps[-1]["rows"] == 0                     # nothing launched: the last step only waited
-    assert all(s["step_ms"] >= s["wait_ms"] >= 0 and s["eager"] == 1 for s in steps)
+    assert all(s["step_ms"] >= s["wait_ms"] >= 0 for s in steps)
+    assert [s["eager"] for s in steps] == [1] * (len(steps) - 1) + [0]   # a CPU engine has no graphs
     text = step_trace.summary(steps)
     assert "mixed/eager" in text and "decode/eager" in text
     profile = (tmp_path / "steps.prof").read_text()

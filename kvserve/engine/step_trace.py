@@ -47,6 +47,7 @@ class StepTrace:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lines: list[str] = []
+        self._num_eager = 0   # the runner's count of forwards run without a graph, at the last step
         with open(path, "w") as f:
             f.write(HEADER)
 
@@ -58,8 +59,10 @@ class StepTrace:
     def record(self, start: float, step_s: float, wait_s: float, out_s: float, engine) -> None:
         launched = engine._in_flight
         rows = len(launched.rows) if launched is not None else 0
+        num_eager, self._num_eager = self._num_eager, engine.runner.num_eager_forwards
+        eager = int(self._num_eager > num_eager)
         self._lines.append(f"{start:.6f}\t{step_s * 1e3:.3f}\t{wait_s * 1e3:.3f}\t{out_s * 1e3:.3f}\t{rows}\t"
-                           f"{engine.stats.last_prompt_tokens}\t{int(engine.runner.last_forward_eager)}\n")
+                           f"{engine.stats.last_prompt_tokens}\t{eager}\n")
         if len(self._lines) >= FLUSH_EVERY:
             self.flush()
 
@@ -110,15 +113,16 @@ def read(path: str) -> list[dict[str, float]]:
         return [dict(zip(names, map(float, line.split()))) for line in f if line.strip()]
 
 
-def with_periods(steps: list[dict[str, float]], max_gap_s: float = 0.5) -> list[dict[str, float]]:
+def with_periods(steps: list[dict[str, float]], max_idle_ms: float = 500.0) -> list[dict[str, float]]:
     """Each step gets `period_ms` (to the next step's start) and `rest_ms` (the
     period less step and output: the core loop's input polling); the last
-    step and steps before an idle gap have none."""
+    step and steps followed by an idle core (no work for `max_idle_ms`) have none."""
     out = []
     for a, b in zip(steps, steps[1:]):
-        gap = b["start_s"] - a["start_s"]
-        if gap <= max_gap_s:
-            out.append({**a, "period_ms": gap * 1e3, "rest_ms": gap * 1e3 - a["step_ms"] - a["out_ms"]})
+        period = (b["start_s"] - a["start_s"]) * 1e3
+        rest = period - a["step_ms"] - a["out_ms"]
+        if rest <= max_idle_ms:
+            out.append({**a, "period_ms": period, "rest_ms": rest})
     return out
 
 

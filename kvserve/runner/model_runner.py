@@ -78,7 +78,6 @@ class ModelRunner:
         self.mixed_graphs = None  # MixedGraphs, imported with Triton on capture
         self.kv_transfer: KVTransfer | None = None
         self.num_eager_forwards = 0  # forwards not served by a graph (tests compare with replays)
-        self.last_forward_eager = False
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
@@ -163,7 +162,6 @@ class ModelRunner:
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         meta = inputs.meta
-        self.last_forward_eager = False
         if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(meta.num_seqs):
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens,
@@ -173,7 +171,6 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         self.num_eager_forwards += 1
-        self.last_forward_eager = True
         return self.model(inputs.input_ids, inputs.positions, meta)
 
 
