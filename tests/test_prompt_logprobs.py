@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import httpx
-import openai
 import pytest
 import torch
 import transformers
@@ -20,8 +18,6 @@ import transformers
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.runner.prompt_logprobs import PromptLogprobs
-from kvserve.server.app import build_app
-from tests.test_server import LiveServer, _error
 from tests.tiny_models import random_prompts, save_tiny_checkpoint
 
 TOL = 2e-4
@@ -167,15 +163,20 @@ def test_a_one_token_prompt_has_only_the_leading_none(llama_dir):
 
 
 # -- through the server, the core in its own process ------------------------------------------------
+# The server's packages are imported here, not at the top: the GPU machine's image lacks them,
+# and the GPU test above must still be collected there.
 @pytest.fixture(scope="module")
 def tiny_server(llama_dir):
+    from kvserve.server.app import build_app
+    from tests.test_server import LiveServer
     args = EngineArgs(model=str(llama_dir), dtype="float32", device="cpu", block_size=4, max_model_len=128,
                       max_num_batched_tokens=8)   # chunked prefill: rows from several steps
     with LiveServer(build_app(args, "tiny")) as server:
         yield server
 
 
-def _client(server) -> openai.OpenAI:
+def _client(server):
+    import openai
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
@@ -222,6 +223,9 @@ def test_vllm_prompt_logprobs_field(tiny_server, hf_model):
             assert entry["logprob"] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=TOL)
             assert entry["rank"] == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
             assert entry["decoded_token"] == str(prompt[i])
+    import httpx
+
+    from tests.test_server import _error
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
     error = _error(httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60), 400)
     assert error["param"] == "prompt_logprobs"
