@@ -405,3 +405,25 @@ def test_a_gpu_core_runs_its_host_ops_on_one_torch_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     core_process.limit_host_threads(engine("cuda"))
     assert calls == [1]
+
+
+def test_the_step_trace_gives_each_step_the_device_time_the_next_line_waited_for():
+    """Pipelined steps: the line that launches step i waits for step i - 1, so
+    step i's device time is the next line's period, not its own. A synthetic
+    trace (ms): a 12 ms mixed step between 6 ms decodes, then 1.5 s idle."""
+    from kvserve.engine import step_trace
+    starts = [0, 6, 12, 24, 30, 36, 1536, 1542, 1548]
+    shapes = [0, 200, 0, 0, 0, 0, 0, 0, 0]
+
+    def line(start, prompt):
+        return {"start_s": start / 1e3, "step_ms": 5.0, "wait_ms": 4.0 if prompt == 0 else 0.0,
+                "out_ms": 0.1, "rows": 8, "prompt_tokens": prompt, "eager": 0}
+    steps = [line(t, p) for t, p in zip(starts, shapes)]
+    rows = step_trace.with_periods(steps)
+    mixed = [r for r in rows if r["prompt_tokens"]]
+    assert len(mixed) == 1 and mixed[0]["device_ms"] == pytest.approx(12.0)
+    assert mixed[0]["host_ms"] == pytest.approx(5.0)
+    assert all(r["device_ms"] == pytest.approx(6.0) for r in rows if not r["prompt_tokens"])
+    assert len(rows) == 5   # none for lines next to the idle stretch or without two successors
+    segments = step_trace.busy_segments(steps)
+    assert [len(s) for s in segments] == [6, 3]

@@ -16,9 +16,10 @@ server keeps nearly all of it):
   prompt tokens (chunks of more than one token); `eager`: 1 when the launched
   step ran without a CUDA graph.
 
-`python -m kvserve.engine.step_trace FILE` prints, per kind of step (decode
-only or mixed, graph or eager), the step period (start to next start: what a
-stream's inter-token latency is made of) and its parts, as percentiles.
+`python -m kvserve.engine.step_trace FILE` prints percentiles per kind of
+launched step (decode only or mixed, graph or eager): the pipeline's time on
+it (what a stream's inter-token latency is made of; `with_periods` says how it
+is read off the lines), the host's time to launch it, the wait, the output.
 
 `KVSERVE_CORE_PROFILE=FILE` adds a cProfile of every step of the core's
 (`LLMEngine.step` and the output message), rewritten to FILE every
@@ -114,15 +115,21 @@ def read(path: str) -> list[dict[str, float]]:
 
 
 def with_periods(steps: list[dict[str, float]], max_idle_ms: float = 500.0) -> list[dict[str, float]]:
-    """Each step gets `period_ms` (to the next step's start) and `rest_ms` (the
-    period less step and output: the core loop's input polling); the last
-    step and steps followed by an idle core (no work for `max_idle_ms`) have none."""
+    """Each line (named by the step it launched) gets:
+    - `host_ms`: its step less the wait, the host's time to launch this step
+      (and to finish the one before);
+    - `rest_ms`: to the next line's start, less step and output (input polling);
+    - `device_ms`: the next line's period. The next line waits for this step,
+      so when the device sets the pace its period is this step's device time.
+    A line without two successors, or followed by an idle core (no work for
+    `max_idle_ms`), has none."""
     out = []
-    for a, b in zip(steps, steps[1:]):
+    for a, b, c in zip(steps, steps[1:], steps[2:]):
         period = (b["start_s"] - a["start_s"]) * 1e3
         rest = period - a["step_ms"] - a["out_ms"]
-        if rest <= max_idle_ms:
-            out.append({**a, "period_ms": period, "rest_ms": rest})
+        device = (c["start_s"] - b["start_s"]) * 1e3
+        if rest <= max_idle_ms and device - b["step_ms"] - b["out_ms"] <= max_idle_ms:
+            out.append({**a, "host_ms": a["step_ms"] - a["wait_ms"], "rest_ms": rest, "device_ms": device})
     return out
 
 
@@ -141,7 +148,7 @@ def summary(steps: list[dict[str, float]]) -> str:
     for s in with_periods(steps):
         groups[kind(s)].append(s)
         groups["all"].append(s)
-    cols = ("period_ms", "step_ms", "wait_ms", "out_ms", "rest_ms")
+    cols = ("device_ms", "host_ms", "wait_ms", "out_ms", "rest_ms")
     lines = [f"{'kind':<14}{'steps':>7}{'rows p50':>9}{'prompt p50':>11}"
              + "".join(f"{c[:-3] + ' p50/p90':>18}" for c in cols)]
     for name, group in sorted(groups.items()):
@@ -151,16 +158,34 @@ def summary(steps: list[dict[str, float]]) -> str:
                         for c in cols)
         lines.append(head + cells)
     host_bound = sum(s["wait_ms"] < 0.1 for s in groups["all"]) / max(len(groups["all"]), 1)
-    lines.append(f"ms; host-bound steps (wait < 0.1 ms): {host_bound:.0%}")
+    lines.append(f"ms per kind of launched step. device: the pipeline's time on the step (the next line's "
+                 f"period); host: launching it; wait: for the step before it (< 0.1 ms: the host set the "
+                 f"pace, {host_bound:.0%} of steps)")
     return "\n".join(lines)
+
+
+def busy_segments(steps: list[dict[str, float]], min_idle_s: float = 1.0) -> list[list[dict[str, float]]]:
+    """The trace cut where the core sat idle for `min_idle_s` or more: one
+    segment per benchmark run when a server served several."""
+    segments = [steps[:1]]
+    for a, b in zip(steps, steps[1:]):
+        if b["start_s"] - a["start_s"] - (a["step_ms"] + a["out_ms"]) / 1e3 >= min_idle_s:
+            segments.append([])
+        segments[-1].append(b)
+    return segments
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(f"usage: python -m kvserve.engine.step_trace FILE   (written by {ENV}=FILE kvserve serve)")
+    if len(argv) not in (1, 2) or argv[1:] not in ([], ["--segments"]):
+        print(f"usage: python -m kvserve.engine.step_trace FILE [--segments]   (FILE written by {ENV}=FILE "
+              "kvserve serve; --segments: one summary per busy stretch, e.g. per benchmark run)")
         return 2
-    print(summary(read(argv[0])))
+    steps = read(argv[0])
+    for i, segment in enumerate(busy_segments(steps) if argv[1:] else [steps]):
+        if argv[1:]:
+            print(f"-- segment {i + 1}: {len(segment)} steps over {segment[-1]['start_s'] - segment[0]['start_s']:.1f} s")
+        print(summary(segment))
     return 0
 
 
