@@ -193,16 +193,18 @@ class Scheduler:
         i, scheduled, running, allocate = 0, out.scheduled, self.running, self.kv_cache.allocate_slots
         while i < len(running) and budget > 0:  # hot loop: Request's properties inlined
             request = running[i]
+            i += 1
             sampled = len(request.output_token_ids) + request.num_pending_tokens
             if sampled >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
-                i += 1
                 continue
-            num_new = min(len(request.prompt_token_ids) + sampled - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            num_new = len(request.prompt_token_ids) + sampled - start
+            if num_new > budget:
+                num_new = budget
             if not allocate(request, num_new) and not self._preempt_until_fits(request, num_new, out):
                 break  # `request` itself was preempted; everything after it too.
-            scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            scheduled.append(ScheduledRequest(request, num_new, start))
             budget -= num_new
-            i += 1
         return budget
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:

@@ -71,13 +71,6 @@ class BlockFill:
             self.remove(block_id, old_fill)
             self.add(block_id, new_fill)
 
-    def advance_sole_tails(self, tails: list[dict[int, int]], moved: int) -> None:
-        """Each of `tails` (a block's holders by fill, one holder) gains `moved` slots."""
-        for fills in tails:
-            slots, count = fills.popitem()
-            fills[slots + moved] = count
-        self.used_slots += moved * len(tails)
-
     def fragmentation(self) -> float:
         """Share of slots in held blocks that hold no token (0.0 when none is held)."""
         if not self.num_held:

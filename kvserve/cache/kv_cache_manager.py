@@ -311,16 +311,25 @@ class KVCacheManager:
 
     def _move_within_tail(self, request: Request, num_new_tokens: int) -> bool:
         """Move the end within the request's room (`_set_room`); False, changing
-        nothing, when the new end is outside it."""
-        request_id, total = request.request_id, request.num_computed_tokens + num_new_tokens
+        nothing, when the new end is outside it. Every decode step of every
+        request comes here, so the sole tails' fill counters are advanced in
+        place (the same totals `BlockFill` keeps) instead of through a call."""
+        request_id = request.request_id
         room = self._room.get(request_id)
-        if room is None or not room[0] <= total <= room[1]:
+        if room is None:
+            return False
+        first, last, tails = room
+        total = request.num_computed_tokens + num_new_tokens
+        if not first <= total <= last:
             return False
         moved = total - self._num_tokens[request_id]
         if moved:
-            self._held.fill.advance_sole_tails(room[2], moved)
+            for fills in tails:  # one holder each: {slots: 1}
+                slots, count = fills.popitem()
+                fills[slots + moved] = count
+            self._held.fill.used_slots += moved * len(tails)
             self._num_tokens[request_id] = total
-        if total == room[1]:  # the tail is full: the next token needs a new block
+        if total == last:  # the tail is full: the next token needs a new block
             del self._room[request_id]
             # Cached now if its tokens are known; in pipelined decode the last one is
             # still on the device, and the next allocation caches the block.
