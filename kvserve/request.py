@@ -113,8 +113,12 @@ class Request:
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        known = self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
-        return known + [PENDING_TOKEN] * (end - start - len(known))
+        if start >= n:  # one slice, no concatenation: a decode step's block is all output
+            known = self.output_token_ids[start - n:end - n]
+        else:
+            known = self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        missing = end - start - len(known)
+        return known + [PENDING_TOKEN] * missing if missing else known
 
     @property
     def num_prompt_tokens(self) -> int:

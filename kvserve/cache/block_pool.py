@@ -15,18 +15,19 @@ before its hash is dropped (the host tier copies it out then).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 NULL_BLOCK_ID = 0
 
 
-@dataclass(frozen=True)
-class BlockContent:
+class BlockContent(NamedTuple):
     """What a cached block holds, kept so a hit is verified exactly.
 
     The block index is part of it because equal tokens at another position
     produce different KV (rotary embeddings), even with an equal parent hash.
+    A named tuple, not a frozen dataclass: one is built per block cached (every
+    block_size decode steps of every request) and per block looked up, and a
+    frozen dataclass's __init__ costs three object.__setattr__ calls.
     """
 
     parent_hash: bytes | None

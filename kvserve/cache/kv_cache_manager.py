@@ -362,7 +362,10 @@ class KVCacheManager:
         if (end is None or total != end + 1 or end % self.block_size or self.block_size == 1
                 or self._drops_blocks or len(self.managers) + reserve > self.pool.num_free_blocks):
             return False
-        return all(m.num_new_blocks(request_id, total, 0) == 1 for m in self.managers)
+        for manager in self.managers:  # a loop, not all(generator): once per block opened
+            if manager.num_new_blocks(request_id, total, 0) != 1:
+                return False
+        return True
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
                       first_query_pos: int, total: int, reserve: int = 0) -> bool:
