@@ -53,7 +53,7 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch
     q_lens_np = np.array(query_lens, dtype=np.int64)
     seq_lens_np = starts_np + q_lens_np
     if len(query_lens) == int(q_lens_np.sum()):  # decode-only: one token per sequence
-        tokens = np.fromiter((_token_at(s.request, s.start_pos) for s in scheduled), dtype=np.int64, count=num_seqs)
+        tokens = np.array(_decode_tokens(scheduled), dtype=np.int64)
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
         seq_idx, positions = torch.arange(num_seqs), torch.from_numpy(starts_np)
     else:
@@ -72,14 +72,22 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch
                      seq_lens_np.tolist())
 
 
-def _token_at(request, pos: int) -> int:
-    """The id at `pos`: a prompt or output token, or PENDING_TOKEN while it is
-    still on the device (the decode row's one token, hot path)."""
-    prompt = request.prompt_token_ids
-    if pos < len(prompt):
-        return prompt[pos]
-    out = request.output_token_ids
-    return out[pos - len(prompt)] if pos - len(prompt) < len(out) else PENDING_TOKEN
+def _decode_tokens(scheduled: list[ScheduledRequest]) -> list[int]:
+    """Each decode row's one token: a prompt or output token, or PENDING_TOKEN
+    while it is still on the device (the pipelined steady state). One loop
+    with the lookups inlined: it runs once per running request per step."""
+    tokens = []
+    append = tokens.append
+    for s in scheduled:
+        request, pos = s.request, s.start_pos
+        prompt = request.prompt_token_ids
+        if pos < len(prompt):
+            append(prompt[pos])
+            continue
+        pos -= len(prompt)
+        out = request.output_token_ids
+        append(out[pos] if pos < len(out) else PENDING_TOKEN)
+    return tokens
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
@@ -89,8 +97,15 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.T
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
                     device: torch.device) -> ModelInputs:
-    rows = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+    rows = _completing_rows(scheduled, host.seq_lens_list)
     return inputs_for_rows(host, rows, [scheduled[i] for i in rows], block_size, device)
+
+
+def _completing_rows(scheduled: list[ScheduledRequest], seq_lens: list[int]) -> list[int]:
+    """Rows that sample: `completes_sequence`, with the batch's seq lens (start
+    + new tokens) and the request's token count inlined (hot: every row, every step)."""
+    return [i for i, (s, end) in enumerate(zip(scheduled, seq_lens))
+            if end == len((r := s.request).prompt_token_ids) + len(r.output_token_ids) + r.num_pending_tokens]
 
 
 def inputs_for_rows(host: HostBatch, rows: list[int], sampling_rows: list[ScheduledRequest],
