@@ -15,11 +15,11 @@ from kvserve import detokenizer
 from kvserve.diagnose.recorder import RequestRecorder
 from kvserve.engine.builder import EngineParts, build_engine_parts
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprobs_of
-from kvserve.request import Request, RequestStatus
+from kvserve.request import FINISHED_STATUSES, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.runner.model_runner import InFlightStep, StepResult
 from kvserve.runner.prompt_logprobs import PromptLogprobs
-from kvserve.runner.sampler import RequestFailed
+from kvserve.runner.sampler import RequestFailed, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -203,14 +203,14 @@ class LLMEngine:
     def _process(self, result: StepResult) -> list[Request]:
         now = time.monotonic()
         touched = []
-        for i, item in enumerate(result.rows):
+        sampled, take = result.sampled, self._take_token
+        for i, item in enumerate(result.rows):  # hot: once per running request per step
             request = item.request
-            if request.is_finished:  # stopped or aborted while this step was in flight
+            if request.status in FINISHED_STATUSES:  # stopped or aborted while this step was in flight
                 continue
             request.num_pending_tokens -= 1
             try:
-                self._append_token(request, result, i, now)
-                status = self._check_stop(request)
+                status = take(request, sampled, i, now)
             except Exception as e:  # e.g. detokenizing: this request's error alone
                 logger.error("request %s failed: %s", request.request_id, e, exc_info=e)
                 if self.fail_request(request):
@@ -224,18 +224,20 @@ class LLMEngine:
             touched.append(request)
         return touched
 
-    def _append_token(self, request: Request, result: StepResult, i: int, now: float) -> None:
-        token = result.sampled.token_ids[i]
-        request.output_token_ids.append(token)
-        if request.sampling_params.logprobs is not None:
-            request.cumulative_logprob += result.sampled.sampled_logprobs[i]
-            request.logprobs.append(result.sampled.logprobs[i])
+    def _take_token(self, request: Request, sampled: SamplerOutput, i: int, now: float) -> RequestStatus | None:
+        """Append row i's sampled token to `request`; its finish status, None
+        while it goes on. One call per row: appending and the stop checks are
+        inlined (hot), in the order stop reasons take precedence."""
+        token = sampled.token_ids[i]
+        output = request.output_token_ids
+        output.append(token)
+        params = request.sampling_params
+        if params.logprobs is not None:
+            request.cumulative_logprob += sampled.sampled_logprobs[i]
+            request.logprobs.append(sampled.logprobs[i])
         if request.first_token_time is None:
             request.first_token_time = now
         self.stats.num_generation_tokens += 1
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        params, token = request.sampling_params, request.output_token_ids[-1]
         if not params.ignore_eos and token in request.eos_token_ids:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
@@ -244,7 +246,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if params.stop_strings and self._hit_stop_string(request):
             return RequestStatus.FINISHED_STOPPED
-        num_output = len(request.output_token_ids)  # not the properties: once per token (hot)
+        num_output = len(output)  # not the properties: once per token (hot)
         if (num_output >= params.max_tokens
                 or len(request.prompt_token_ids) + num_output >= self.scheduler_config.max_model_len):
             return RequestStatus.FINISHED_LENGTH
