@@ -500,8 +500,8 @@ def _busy_manager(**kwargs) -> tuple[KVCacheManager, Request]:
     (lambda kv: kv._held.fill._fills.update({1: {2: 1}, 3: {4: 1}}), "fragmentation counters disagree"),
     (lambda kv: setattr(kv._held.fill, "num_held", 4), "fragmentation counters disagree"),
     # the decode fast path's room ([9, 12]: the tail block 3) moved past the tail, or its counters stale
-    (lambda kv: kv._room.update({"a": (13, 16, kv._room["a"][2])}), r"room \[13, 16\] is not its tail block"),
-    (lambda kv: kv._room.update({"a": (9, 12, [{1: 1}])}), "fast-path tail counters are stale"),
+    (lambda kv: kv._room.update({"a": (13, 16, *kv._room["a"][2:])}), r"room \[13, 16\] is not its tail block"),
+    (lambda kv: kv._room.update({"a": (9, 12, [{1: 1}], kv._room["a"][3])}), "fast-path tail counters are stale"),
     (lambda kv: setattr(kv.managers[0].blocks("a")[2], "block_hash", b"x"), "fast-path room on a cached tail"),
     # a table (of NULL only, so the pool agrees) with no mirror
     (lambda kv: kv.managers[0].req_to_blocks.update({"ghost": [kv.pool.null_block]}),

@@ -130,9 +130,10 @@ class KVCacheManager:
         self._num_tokens: dict[str, int] = {}
         # Block-id mirror and fill counters, updated where tables change.
         self._held = HeldTables(self.managers, block_size)
-        # Per request holding blocks: (first end, last end, tail fill counters) between
-        # which allocate_slots only moves the end inside the tail block (`_set_room`).
-        self._room: dict[str, tuple[int, int, list[dict[int, int]]]] = {}
+        # Per request holding blocks: (first end, last end, tail fill counters, the end
+        # they count) between which allocate_slots only moves the end inside the tail
+        # block (`_set_room`); the counters lag behind until `_sync_tails`.
+        self._room: dict[str, tuple[int, int, list[dict[int, int]], int]] = {}
 
     # ---- layout -------------------------------------------------------
     @property
@@ -265,6 +266,7 @@ class KVCacheManager:
             return True  # a decode step crossing into a new block: 1 in block_size steps
         if hit is not None:
             self._check_hit_usable(request, hit)
+        self._sync_tails(request.request_id)  # the general path reads the fill counters
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         total = first_query_pos + num_new_tokens
         if not self._can_allocate(request.request_id, hit, first_query_pos, total, reserve):
@@ -301,7 +303,22 @@ class KVCacheManager:
         if tails is None or self._tail_is_cached(request_id, index):
             self._room.pop(request_id, None)
         else:
-            self._room[request_id] = (index * self.block_size + 1, (index + 1) * self.block_size, tails)
+            self._room[request_id] = (index * self.block_size + 1, (index + 1) * self.block_size, tails, end)
+
+    def _sync_tails(self, request_id: str) -> None:
+        """Bring the room's tail fill counters up to the request's end: the
+        decode fast path moves the end and the totals only (`_move_within_tail`).
+        Anything that reads or changes a room's fill counters calls this first."""
+        room = self._room.get(request_id)
+        if room is None:
+            return
+        first, last, tails, counted = room
+        moved = self._num_tokens[request_id] - counted
+        if moved:
+            for fills in tails:  # one holder each: {slots: 1}
+                slots, count = fills.popitem()
+                fills[slots + moved] = count
+            self._room[request_id] = (first, last, tails, counted + moved)
 
     def _tail_is_cached(self, request_id: str, index: int) -> bool:
         """A tail block in the hash map (cached when full, then the end moved
@@ -312,24 +329,23 @@ class KVCacheManager:
     def _move_within_tail(self, request: Request, num_new_tokens: int) -> bool:
         """Move the end within the request's room (`_set_room`); False, changing
         nothing, when the new end is outside it. Every decode step of every
-        request comes here, so the sole tails' fill counters are advanced in
-        place (the same totals `BlockFill` keeps) instead of through a call."""
+        request comes here, so it moves only the end and the fill totals: the
+        tails' own counters catch up when the room is left (`_sync_tails`), not
+        every step (touching them was a fifth of a 256-request schedule)."""
         request_id = request.request_id
         room = self._room.get(request_id)
         if room is None:
             return False
-        first, last, tails = room
+        first, last, tails, _ = room
         total = request.num_computed_tokens + num_new_tokens
         if not first <= total <= last:
             return False
         moved = total - self._num_tokens[request_id]
         if moved:
-            for fills in tails:  # one holder each: {slots: 1}
-                slots, count = fills.popitem()
-                fills[slots + moved] = count
             self._held.fill.used_slots += moved * len(tails)
             self._num_tokens[request_id] = total
         if total == last:  # the tail is full: the next token needs a new block
+            self._sync_tails(request_id)
             del self._room[request_id]
             # Cached now if its tokens are known; in pipelined decode the last one is
             # still on the device, and the next allocation caches the block.
@@ -352,7 +368,7 @@ class KVCacheManager:
         self._num_tokens[request_id] = total
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, total)
-        self._room[request_id] = (end + 1, end + self.block_size, tails)
+        self._room[request_id] = (end + 1, end + self.block_size, tails, total)
         return True
 
     def _opens_one_block(self, request_id: str, end: int | None, total: int, reserve: int) -> bool:
@@ -469,6 +485,7 @@ class KVCacheManager:
             self.host_tier.release_private(swapped.slots())
 
     def _free_gpu(self, request_id: str) -> None:
+        self._sync_tails(request_id)
         self._room.pop(request_id, None)
         self._held.forget(request_id, self._num_tokens.get(request_id, 0))
         for manager in self.managers:
@@ -606,12 +623,14 @@ class KVCacheManager:
         if self.pool.null_block.ref_cnt != 0 or self.pool.null_block.block_hash is not None:
             raise RuntimeError("the NULL block was referenced or cached")
         self.pool.check_integrity(refs)
+        for request_id in list(self._room):  # the counters the fast path left behind
+            self._sync_tails(request_id)
         self._held.check(self._num_tokens)
         self._check_room()
         self._check_host_integrity()
 
     def _check_room(self) -> None:
-        for request_id, (first, last, tails) in self._room.items():
+        for request_id, (first, last, tails, _) in self._room.items():
             end, size = self._num_tokens.get(request_id), self.block_size
             if end is None or not first <= end < last or (first - 1) // size != (last - 1) // size \
                     or last % size != 0:
