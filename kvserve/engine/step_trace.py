@@ -12,9 +12,9 @@ server keeps nearly all of it):
   pipelined one deep, so a step whose wait is near zero was bound by the host:
   the device had finished before the host asked;
 - `out_ms`: building and sending the step's output message;
-- `rows`, `prompt_tokens`: the launched step's scheduled requests and its
-  prompt tokens (chunks of more than one token); `eager`: 1 when the launched
-  step ran without a CUDA graph.
+- `rows`, `prompt_tokens`: the launched step's sampling rows (the requests it
+  gives a token) and prompt tokens (chunks of more than one token); `eager`: 1
+  when it ran without a CUDA graph. A line that launched nothing has zeros.
 
 `python -m kvserve.engine.step_trace FILE` prints percentiles per kind of
 launched step (decode only or mixed, graph or eager): the pipeline's time on
@@ -59,11 +59,11 @@ class StepTrace:
 
     def record(self, start: float, step_s: float, wait_s: float, out_s: float, engine) -> None:
         launched = engine._in_flight
-        rows = len(launched.rows) if launched is not None else 0
+        rows, prompt = (len(launched.rows), engine.stats.last_prompt_tokens) if launched is not None else (0, 0)
         num_eager, self._num_eager = self._num_eager, engine.runner.num_eager_forwards
         eager = int(self._num_eager > num_eager)
         self._lines.append(f"{start:.6f}\t{step_s * 1e3:.3f}\t{wait_s * 1e3:.3f}\t{out_s * 1e3:.3f}\t{rows}\t"
-                           f"{engine.stats.last_prompt_tokens}\t{eager}\n")
+                           f"{prompt}\t{eager}\n")
         if len(self._lines) >= FLUSH_EVERY:
             self.flush()
 
