@@ -109,10 +109,9 @@ def sync_check(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int)
         if stack not in seen:
             seen.add(stack)
             print(f"SYNC: {message}\n{stack}")
-    warnings.showwarning, old = show, warnings.showwarning
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():   # restores showwarning on exit
             warnings.simplefilter("always")
             warnings.showwarning = show
             for _ in range(steps):
@@ -120,7 +119,6 @@ def sync_check(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int)
                 engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = old
     print(f"sync check: {len(seen)} distinct synchronising call stacks in {steps} mixed steps")
 
 

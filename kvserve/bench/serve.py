@@ -182,8 +182,8 @@ async def _send(client: BenchClient, request: WorkloadRequest, start: float) -> 
 def request_rows(results: list[RequestResult]) -> list[dict[str, Any]]:
     """Per-request figures for --save-json, so a tail can be placed in time
     (a cold start, a burst) rather than only counted."""
-    return [{"sent_s": round(r.sent, 4), "due_s": None if r.due is None else round(r.due, 4), "ok": r.ok, "ttft_ms": round(r.ttft * 1e3, 2),
-             "e2e_ms": round(r.e2e * 1e3, 2), "prompt_tokens": r.prompt_tokens,
+    return [{"sent_s": round(r.sent, 4), "due_s": None if r.due is None else round(r.due, 4), "ok": r.ok,
+             "ttft_ms": round(r.ttft * 1e3, 2), "e2e_ms": round(r.e2e * 1e3, 2), "prompt_tokens": r.prompt_tokens,
              "cached_tokens": r.cached_tokens, "output_tokens": r.output_tokens} for r in results]
 
 

@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = read(argv[0])
     for i, segment in enumerate(busy_segments(steps) if argv[1:] else [steps]):
         if argv[1:]:
-            print(f"-- segment {i + 1}: {len(segment)} steps over {segment[-1]['start_s'] - segment[0]['start_s']:.1f} s")
+            span = segment[-1]["start_s"] - segment[0]["start_s"]
+            print(f"-- segment {i + 1}: {len(segment)} steps over {span:.1f} s")
         print(summary(segment))
     return 0
 
