@@ -427,3 +427,15 @@ def test_the_step_trace_gives_each_step_the_device_time_the_next_line_waited_for
     assert len(rows) == 5   # none for lines next to the idle stretch or without two successors
     segments = step_trace.busy_segments(steps)
     assert [len(s) for s in segments] == [6, 3]
+
+
+def test_the_step_trace_reader_names_a_bad_file_and_line(tmp_path, capsys):
+    from kvserve.engine import step_trace
+    other = tmp_path / "other.json"
+    other.write_text('{"summary": {}}\n')
+    assert step_trace.main([str(other)]) == 1
+    assert "is not a step trace" in capsys.readouterr().out
+    cut = tmp_path / "cut.tsv"
+    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\n2.0\t5.0\n")
+    assert step_trace.main([str(cut)]) == 1
+    assert "line 3: 2 fields, expected 7" in capsys.readouterr().out

@@ -109,9 +109,22 @@ def now() -> float:
 
 # -- the summary ------------------------------------------------------------------------
 def read(path: str) -> list[dict[str, float]]:
+    """The trace's lines; a file that is not one is a ValueError naming it."""
     with open(path) as f:
         names = f.readline().split()
-        return [dict(zip(names, map(float, line.split()))) for line in f if line.strip()]
+        if names != HEADER.split():
+            raise ValueError(f"{path} is not a step trace: its header is {names}, expected {HEADER.split()}")
+        return [_parse(path, number, names, line) for number, line in enumerate(f, 2) if line.strip()]
+
+
+def _parse(path: str, number: int, names: list[str], line: str) -> dict[str, float]:
+    fields = line.split()
+    try:
+        if len(fields) != len(names):
+            raise ValueError(f"{len(fields)} fields, expected {len(names)}")
+        return dict(zip(names, map(float, fields)))
+    except ValueError as e:
+        raise ValueError(f"{path} line {number}: {e}") from None
 
 
 def with_periods(steps: list[dict[str, float]], max_idle_ms: float = 500.0) -> list[dict[str, float]]:
@@ -181,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m kvserve.engine.step_trace FILE [--segments]   (FILE written by {ENV}=FILE "
               "kvserve serve; --segments: one summary per busy stretch, e.g. per benchmark run)")
         return 2
-    steps = read(argv[0])
+    try:
+        steps = read(argv[0])
+    except (OSError, ValueError) as e:
+        print(f"error: {e}")
+        return 1
     for i, segment in enumerate(busy_segments(steps) if argv[1:] else [steps]):
         if argv[1:]:
             span = segment[-1]["start_s"] - segment[0]["start_s"]
