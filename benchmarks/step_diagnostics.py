@@ -8,6 +8,7 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
   python3 benchmarks/step_diagnostics.py decode24prof  # batch24's profile, decode steps only
   python3 benchmarks/step_diagnostics.py decode24  # steady decode ms/step, 24 x ~3.7K context (wall clock)
   python3 benchmarks/step_diagnostics.py ide112prof  # decode profile, 112 x ~900 tokens, 16 per shared 700-token prefix
+  python3 benchmarks/step_diagnostics.py ide24prof   # the same at 24 x ~900 tokens, 3 per prefix (ide at 30 req/s)
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
@@ -71,11 +72,12 @@ def step_profile(what: str) -> None:
     from torch.profiler import ProfilerActivity, profile
     from kvserve import LLM, SamplingParams
     n, plen, out = {"batch24": (24, 3600, 48), "decode24prof": (24, 3600, 48),
-                    "ide112prof": (112, 890, 48)}.get(what, (1, 128, 48))
+                    "ide112prof": (112, 890, 48), "ide24prof": (24, 890, 48)}.get(what, (1, 128, 48))
     llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384)
     prompts = [[100 + (i * 7 + j) % 5000 for j in range(plen)] for i in range(n)]
-    if what == "ide112prof":  # the IDE workload's shape: 16 requests per 700-token file prefix
-        prompts = [[100 + (i // 16 * 7 + j) % 5000 for j in range(700)] + [5100 + i * 190 + j for j in range(190)]
+    if what.startswith("ide"):  # the IDE workload's shape: 700-token file prefixes (16 or 3 requests each)
+        share = 16 if what == "ide112prof" else 3
+        prompts = [[100 + (i // share * 7 + j) % 5000 for j in range(700)] + [5100 + i * 190 + j for j in range(190)]
                    for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -83,7 +85,7 @@ def step_profile(what: str) -> None:
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
-    decode_only = what in ("decode24prof", "ide112prof")
+    decode_only = what in ("decode24prof", "ide112prof", "ide24prof")
     if decode_only:  # profile steady decode only: run until every prefill is done
         while not all(r.num_output_tokens >= 2 for r in engine.requests.values()):
             engine.step()

@@ -1,43 +1,67 @@
 #!/usr/bin/env bash
-# The serving comparison with vLLM 0.26.0 in one device lease, four calls back to back (the
+# The serving comparison with vLLM 0.26.0 in one device lease, five calls back to back (the
 # vLLM bundle needs three calls to travel, ../shared/peers/vllm/README.md; the first two test
 # while the next part of the bundle waits):
-#   stage 1  carry [".vp1"]:                     the single-GPU tests but DeepSeek V4's
-#   stage 2  carry [".vp2"]:                     unpack vLLM; DeepSeek V4's GPU tests
-#   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs
-#   stage 4  carry [".dummy-qwen3-8b"]:          vLLM's serving runs (about 150 s of start-up, then
-#                                                the runs: more than one call holds with kvserve's)
+#   stage 1  carry [".vp1"]:                     GPU tests of the engine and its graphs; the decode
+#                                                kernel at the served shapes; a decode-step profile
+#   stage 2  carry [".vp2"]:                     unpack vLLM; DeepSeek V4's graph and engine GPU tests
+#   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs (the rate
+#                                                sweep included), then its offline seed scenarios
+#   stage 4  carry [".dummy-qwen3-8b"]:          vLLM's serving runs (about 150 s of start-up)
+#   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's offline seed scenarios
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
 # site: carrying kvserve's own beside .vp2 would pass the 64 MiB a call may carry.
 # Carry .dummy-qwen3-8b in every call that serves: ignored paths not carried are removed there.
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|2|3|4 ["WORKLOAD:RATE[:N] ..."]
+# Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
+#   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|2|3|4|5 ["WORKLOAD:RATE[:N] ..."]
 set -u
-stage=${1:?stage} runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256"}
+stage=${1:?stage}
+runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
+ide-completion:40:384 ide-completion:80:768 ide-completion:100:768"}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # The GPU-marked tests of the given files. Files that import the server's or the tools' packages
 # (fastapi, openai: not on the device image) fail to collect; they hold no GPU tests.
 gpu_tests() {
-  PYTHONPATH=$PWD timeout 500 python3 -m pytest -q -m gpu --continue-on-collection-errors \
+  PYTHONPATH=$PWD timeout ${TEST_SECONDS:-240} python3 -m pytest -q -m gpu --continue-on-collection-errors \
     --ignore tests/test_tensor_parallel_gpu.py $1 2>&1 \
     | grep -v "^ERROR tests" | tail -4 | tee "$2"
+}
+offline() {  # engine, seconds
+  PYTHONPATH=$PWD:$PWD/.vsite timeout $2 python3 benchmarks/offline_scenarios.py --engine $1 \
+    --model-dir "$PWD/.dummy-qwen3-8b" --save-json "$OUT/offline_$1.json" 2>&1 \
+    | grep -E "^(kvserve|vllm) |Error|error" | tail -12
+}
+pack() {  # a call brings back at most 8 files: the runs' JSON and server logs go as one archive
+  (cd "$OUT" && tar -czf "serve_$1.tgz" *_*.json server_*.log && rm -f *_*.json server_*.log)
 }
 case $stage in
   1)
     mkdir -p .vsite
-    gpu_tests "$(ls tests/test_*.py | grep -v deepseek_v4)" "$OUT/gpu_tests_1.txt" ;;
+    gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py" \
+      "$OUT/gpu_tests_1.txt"
+    # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s
+    PYTHONPATH=$PWD timeout 90 python3 benchmarks/decode_sweep.py --batches 16 24 32 --contexts 768 1024 1280 \
+      --table 32/4/2/4 32/4/2/8 32/4/2/16 16/4/2/8 64/3/4/4 32/3/2/8 | tee "$OUT/decode_sweep.txt"
+    PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py ide24prof | tee "$OUT/ide24prof.txt" ;;
   2)
     cat .vp1/* .vp2/* | xz -d -T8 | tar -x -C .vsite
-    gpu_tests "$(ls tests/test_deepseek_v4_*.py)" "$OUT/gpu_tests_2.txt" ;;
+    TEST_SECONDS=150 gpu_tests "tests/test_deepseek_v4_graphs.py tests/test_deepseek_v4_engine.py" \
+      "$OUT/gpu_tests_2.txt" ;;
   3)
     python3 -m pip install -q --no-index --no-deps --no-compile --target .vsite .vp3/*.whl
     export PATH=$PWD/.vsite/bin:$PATH
-    KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv timeout 500 \
+    KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv timeout 420 \
       bash benchmarks/serve_load.sh kvserve "$PWD/.dummy-qwen3-8b" "$runs"
-    python3 -m kvserve.engine.step_trace "$OUT/steps_kvserve.tsv" | tee "$OUT/steps_kvserve_summary.txt" ;;
+    PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$OUT/steps_kvserve.tsv" --segments \
+      > "$OUT/steps_kvserve_summary.txt"; gzip "$OUT/steps_kvserve.tsv"; pack kvserve
+    offline kvserve 150 ;;
   4)
     export PATH=$PWD/.vsite/bin:$PATH
-    timeout 540 bash benchmarks/serve_load.sh vllm "$PWD/.dummy-qwen3-8b" "$runs" ;;
-  *) echo "stage must be 1, 2, 3 or 4"; exit 2 ;;
+    timeout 560 bash benchmarks/serve_load.sh vllm "$PWD/.dummy-qwen3-8b" "$runs"; pack vllm ;;
+  5)
+    offline vllm 400 ;;
+  *) echo "stage must be 1, 2, 3, 4 or 5"; exit 2 ;;
 esac

@@ -1,0 +1,132 @@
+"""The seed scenarios offline and uncapped, one engine per process: qa, long-doc, code-review and
+ide-completion from `kvserve.bench.workloads` (seed 0), as token ids from one tokenizer, through
+kvserve's or vLLM's `LLM.generate` (greedy, ignore_eos, each request's own max_tokens), each
+scenario timed on its own after one warm-up request.
+
+Each scenario goes in as one batch, code review's later turns included (they share the earlier
+turns' text as a prompt prefix). `--turn-waves` orders a review's turns instead: wave k holds every
+conversation's k-th turn and starts when wave k-1 is done, as for a client that waits for each
+reply; each wave then lasts as long as its longest reply (up to 4,096 tokens), which multiplies
+the scenario's time by its number of turns.
+
+    python3 benchmarks/offline_scenarios.py --engine kvserve --model-dir .dummy-qwen3-8b --save-json k.json
+    python3 benchmarks/offline_scenarios.py --engine vllm --model-dir .dummy-qwen3-8b --save-json v.json
+    python3 benchmarks/offline_scenarios.py --compare k.json v.json    # the table, kvserve / vllm time
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable
+
+from kvserve.bench.serve import token_id_prompts
+from kvserve.bench.workloads import SCENARIOS, WorkloadGenerator, WorkloadRequest
+
+DEFAULT_COUNTS = {"qa": 256, "long-doc": 32, "code-review": 32, "ide-completion": 256}
+ENGINE_ARGS = dict(max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=8192)
+
+
+def waves(requests: list[WorkloadRequest]) -> list[list[WorkloadRequest]]:
+    """Requests grouped so that each one's `after` sits in an earlier wave."""
+    depth: list[int] = []
+    for r in requests:
+        depth.append(0 if r.after is None else depth[r.after] + 1)
+    return [[r for r, d in zip(requests, depth) if d == k] for k in range(max(depth) + 1)]
+
+
+def scenario_requests(name: str, count: int, model_dir: str) -> list[WorkloadRequest]:
+    return token_id_prompts(WorkloadGenerator(seed=0).generate(name, count), model_dir)
+
+
+def kvserve_runner(model_dir: str) -> Callable[[list[WorkloadRequest]], int]:
+    from kvserve import LLM, SamplingParams
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
+
+    def run(batch: list[WorkloadRequest]) -> int:
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in batch]
+        outs = llm.generate([{"prompt_token_ids": r.prompt} for r in batch], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+    return run
+
+
+def vllm_runner(model_dir: str) -> Callable[[list[WorkloadRequest]], int]:
+    import os
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              **ENGINE_ARGS)
+
+    def run(batch: list[WorkloadRequest]) -> int:
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False)
+                  for r in batch]
+        outs = llm.generate([{"prompt_token_ids": r.prompt} for r in batch], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+    return run
+
+
+def time_scenario(run: Callable[[list[WorkloadRequest]], int], requests: list[WorkloadRequest],
+                  turn_waves: bool) -> dict[str, Any]:
+    batches = waves(requests) if turn_waves else [requests]
+    start, out_tokens = time.perf_counter(), 0
+    for batch in batches:
+        out_tokens += run(batch)
+    seconds = time.perf_counter() - start
+    return {"requests": len(requests), "prompt_tokens": sum(len(r.prompt) for r in requests),
+            "output_tokens": out_tokens, "seconds": seconds, "batches": len(batches)}
+
+
+def measure(a: argparse.Namespace) -> dict[str, Any]:
+    run = (kvserve_runner if a.engine == "kvserve" else vllm_runner)(a.model_dir)
+    warm = scenario_requests("qa", 1, a.model_dir)
+    run(warm)
+    results = {}
+    for name in a.scenarios:
+        requests = scenario_requests(name, DEFAULT_COUNTS[name] if a.num_prompts is None else a.num_prompts,
+                                     a.model_dir)
+        results[name] = time_scenario(run, requests, a.turn_waves)
+        r = results[name]
+        print(f"{a.engine:8s} {name:15s} {r['requests']:5d} req {r['prompt_tokens']:8d} in "
+              f"{r['output_tokens']:8d} out {r['seconds']:8.2f} s {r['output_tokens'] / r['seconds']:9.1f} out tok/s",
+              flush=True)
+    return {"engine": a.engine, "scenarios": results}
+
+
+def compare(paths: list[str]) -> None:
+    """The table of two result files: each scenario's seconds and the first's time over the second's."""
+    first, second = (json.load(open(p)) for p in paths)
+    e1, e2 = first["engine"], second["engine"]
+    print(f"| scenario | requests | {e1} s | {e2} s | {e1} / {e2} time |\n|---|---|---|---|---|")
+    for name, r1 in first["scenarios"].items():
+        r2 = second["scenarios"].get(name)
+        if r2 is None:
+            continue
+        if (r1["output_tokens"], r1["prompt_tokens"]) != (r2["output_tokens"], r2["prompt_tokens"]):
+            print(f"| {name} | token counts differ: {r1} vs {r2} | | | |")
+            continue
+        print(f"| {name} | {r1['requests']} | {r1['seconds']:.2f} | {r2['seconds']:.2f} | "
+              f"{r1['seconds'] / r2['seconds']:.2f}x |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=["kvserve", "vllm"])
+    p.add_argument("--model-dir", help="config.json + tokenizer (benchmarks/make_dummy_model.py); dummy weights")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument("--num-prompts", type=int, default=None, help=f"per scenario (default {DEFAULT_COUNTS})")
+    p.add_argument("--turn-waves", action="store_true", help="code review: each turn after the one before")
+    p.add_argument("--save-json", default=None)
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
+    a = p.parse_args()
+    if a.compare:
+        return compare(a.compare)
+    if not (a.engine and a.model_dir):
+        p.error("--engine and --model-dir are required unless --compare is given")
+    result = measure(a)
+    if a.save_json:
+        with open(a.save_json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
