@@ -2,8 +2,8 @@
 # The serving comparison with vLLM 0.26.0 in one device lease, five calls back to back (the
 # vLLM bundle needs three calls to travel, ../shared/peers/vllm/README.md; the first two test
 # while the next part of the bundle waits):
-#   stage 1  carry [".vp1"]:                     GPU tests of the engine and its graphs; the lm_head
-#                                                formulations; a decode-step profile at ide's shape
+#   stage 1  carry [".vp1"]:                     GPU tests of the engine and its graphs; a decode-step
+#                                                profile at ide-completion's served shape
 #   stage 2  carry [".vp2"]:                     unpack vLLM; DeepSeek V4's graph and engine GPU tests
 #   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs (the rate
 #                                                sweep included), then its offline seed scenarios
@@ -42,7 +42,6 @@ case $stage in
     mkdir -p .vsite
     gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py" \
       "$OUT/gpu_tests_1.txt"
-    PYTHONPATH=$PWD timeout 60 python3 benchmarks/lm_head_bench.py | tee "$OUT/lm_head.txt"
     # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s
     PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py ide24prof | tee "$OUT/ide24prof.txt" ;;
   2)

@@ -151,9 +151,6 @@ def build_runner(args: EngineArgs, rank: RankModel, num_host_blocks: int = 0,
         logger.info("host KV tier: %d blocks (%.2f GiB)", num_host_blocks,
                     num_host_blocks * rank.layout.bytes_per_block / 1024**3)
     sched = rank.sched_config
-    if rank.device.type == "cuda" and hasattr(rank.model, "tune_logits"):
-        rank.model.tune_logits(sched.max_num_seqs)
-        logger.info("lm_head product per batch size: %s", rank.model.logits_plan.describe())
     if rank.device.type == "cuda" and not args.enforce_eager:
         runner.capture_graphs(sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,
                               mixed=rank.backend.name == "triton")

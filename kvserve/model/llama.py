@@ -25,7 +25,6 @@ from kvserve.distributed.sharding import Slice, TPShard
 from kvserve.model.config import ModelConfig
 from kvserve.model.fused_ops import qk_norm_rope_
 from kvserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from kvserve.model.logits_gemm import LogitsPlan, blocked_linear
 from kvserve.model.parallel_layers import embedding, lm_head, row_parallel_linear
 
 if TYPE_CHECKING:
@@ -132,7 +131,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderStack(config, backend, layer_to_group, self.shard, group)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.lm_head = lm_head(self.shard, config.hidden_size, group)
-        self.logits_plan = LogitsPlan()  # one product until `tune_logits` has timed the others
         self.tie_weights()
 
     @property
@@ -167,17 +165,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        if isinstance(self.lm_head, nn.Linear):
-            rows = self.logits_plan.rows_for(hidden.shape[0])
-            return blocked_linear(hidden, self.lm_head.weight, rows).float()
         return self.lm_head(hidden).float()
-
-    @torch.inference_mode()
-    def tune_logits(self, max_rows: int) -> None:
-        """Time the lm_head product's formulations on this device (model/logits_gemm.py) and keep
-        the fastest per batch size up to `max_rows`. A sharded head keeps its own product."""
-        if isinstance(self.lm_head, nn.Linear):
-            self.logits_plan = LogitsPlan.tune(self.lm_head.weight, max_rows)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """One [2, num_blocks, block_size, KVH, D] tensor per layer (may alias)."""
