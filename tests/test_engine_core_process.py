@@ -376,7 +376,7 @@ def test_the_step_trace_records_every_step_with_its_shape(model, tiny_args, tmp_
     assert len(steps) == engine.stats.num_steps + 1   # + the step that only resolved the last one
     assert [s["prompt_tokens"] for s in steps[:2]] == [48, 0] and steps[0]["rows"] == 3
     assert steps[-1]["rows"] == steps[-1]["prompt_tokens"] == 0   # nothing launched: the last step only waited
-    assert all(s["step_ms"] >= s["wait_ms"] >= 0 for s in steps)
+    assert all(s["step_ms"] >= s["wait_ms"] >= 0 and s["step_ms"] >= s["gc_ms"] >= 0 for s in steps)
     assert [s["eager"] for s in steps] == [1] * (len(steps) - 1) + [0]   # a CPU engine has no graphs
     text = step_trace.summary(steps)
     assert "mixed/eager" in text and "decode/eager" in text
@@ -417,7 +417,7 @@ def test_the_step_trace_gives_each_step_the_device_time_the_next_line_waited_for
 
     def line(start, prompt):
         return {"start_s": start / 1e3, "step_ms": 5.0, "wait_ms": 4.0 if prompt == 0 else 0.0,
-                "out_ms": 0.1, "rows": 8, "prompt_tokens": prompt, "eager": 0}
+                "out_ms": 0.1, "rows": 8, "prompt_tokens": prompt, "eager": 0, "gc_ms": 0.0}
     steps = [line(t, p) for t, p in zip(starts, shapes)]
     rows = step_trace.with_periods(steps)
     mixed = [r for r in rows if r["prompt_tokens"]]
@@ -436,6 +436,44 @@ def test_the_step_trace_reader_names_a_bad_file_and_line(tmp_path, capsys):
     assert step_trace.main([str(other)]) == 1
     assert "is not a step trace" in capsys.readouterr().out
     cut = tmp_path / "cut.tsv"
-    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\n2.0\t5.0\n")
+    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t0.0\n2.0\t5.0\n")
     assert step_trace.main([str(cut)]) == 1
-    assert "line 3: 2 fields, expected 7" in capsys.readouterr().out
+    assert "line 3: 2 fields, expected 8" in capsys.readouterr().out
+
+
+def test_the_step_trace_times_garbage_collection_and_names_the_longest_host_steps(tmp_path):
+    """gc_ms: a collection inside a step is charged to that step's line, and only to it;
+    traces from before the column read as NaN; the summary lists the host stalls."""
+    import gc
+
+    from kvserve.engine import step_trace
+    clock = step_trace.GcClock()
+    gc.collect()
+    assert clock.take_ms() > 0 and clock.take_ms() == 0
+    clock.close()
+    gc.collect()
+    assert clock.take_ms() == 0   # closed: no longer counting
+    old = tmp_path / "old.tsv"
+    old.write_text(step_trace.OLD_HEADER + "".join(f"{t / 1e3}\t5.0\t4.0\t0.1\t8\t0\t0\n" for t in range(0, 60, 6)))
+    steps = step_trace.read(str(old))
+    assert all(s["gc_ms"] != s["gc_ms"] for s in steps)   # NaN: not traced
+    steps[3].update(step_ms=300.0, wait_ms=0.0, gc_ms=250.0)
+    steps[5].update(step_ms=200.0, wait_ms=0.0)
+    text = step_trace.summary(steps)
+    assert ("longest host ms: 300.0 at 0.02 s (decode/graph, 0 prompt, gc 250.0), "
+            "200.0 at 0.03 s (decode/graph, 0 prompt, gc not traced)") in text
+
+
+def test_the_sync_check_is_opt_in_and_needs_cuda(monkeypatch):
+    import torch
+
+    from kvserve.engine import step_trace
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv(step_trace.SYNC_CHECK_ENV, raising=False)
+    assert not step_trace.enable_sync_check_from_env()
+    monkeypatch.setenv(step_trace.SYNC_CHECK_ENV, "1")
+    assert step_trace.enable_sync_check_from_env() and modes == ["warn"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not step_trace.enable_sync_check_from_env() and modes == ["warn"]

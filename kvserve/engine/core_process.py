@@ -25,7 +25,7 @@ import torch
 
 from kvserve.diagnose.endpoint import engine_snapshot
 from kvserve.engine.gc_heap import freeze_startup_heap
-from kvserve.engine.step_trace import StepProfile, StepTrace, now
+from kvserve.engine.step_trace import StepProfile, StepTrace, enable_sync_check_from_env, now
 from kvserve.engine.core_protocol import (
     Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, DebugReply, Rejection, unpack_sampling_params)
 
@@ -94,9 +94,10 @@ class EngineCore:
             self.transport.send(CoreOutputs(error=f"{type(e).__name__}: {e}"))
             raise
         finally:
-            for diagnostic in (self._trace, self._profile):
-                if diagnostic is not None:
-                    diagnostic.flush()
+            if self._trace is not None:
+                self._trace.close()
+            if self._profile is not None:
+                self._profile.flush()
 
     def run_once(self, idle_check: Callable[[], bool] = lambda: True) -> bool:
         """One turn: apply waiting inputs, then step if anything is unfinished.
@@ -329,6 +330,8 @@ def _build_engine(args, ready, engine_hook):
             engine_hook(engine)
         limit_host_threads(engine)
         freeze_startup_heap()
+        if enable_sync_check_from_env():   # after start-up, whose memory profile syncs on purpose
+            logger.info("sync check on: each call that waits for the device warns once, with its line")
         ready.send(("ready", CoreInfo.of(engine)))
         return engine
     except Exception as e:

@@ -4,7 +4,7 @@
 step to FILE (tab-separated, flushed every FLUSH_EVERY steps, so a killed
 server keeps nearly all of it):
 
-    start_s  step_ms  wait_ms  out_ms  rows  prompt_tokens  eager
+    start_s  step_ms  wait_ms  out_ms  rows  prompt_tokens  eager  gc_ms
 
 - `step_ms`: `LLMEngine.step` (schedule, launch of step N+1, wait for step N,
   output processing);
@@ -14,20 +14,29 @@ server keeps nearly all of it):
 - `out_ms`: building and sending the step's output message;
 - `rows`, `prompt_tokens`: the launched step's sampling rows (the requests it
   gives a token) and prompt tokens (chunks of more than one token); `eager`: 1
-  when it ran without a CUDA graph. A line that launched nothing has zeros.
+  when it ran without a CUDA graph. A line that launched nothing has zeros;
+- `gc_ms`: Python's cyclic garbage collector's time inside the step (a full
+  collection stalls the host; traces written before this column read as NaN).
 
 `python -m kvserve.engine.step_trace FILE` prints percentiles per kind of
 launched step (decode only or mixed, graph or eager): the pipeline's time on
 it (what a stream's inter-token latency is made of; `with_periods` says how it
-is read off the lines), the host's time to launch it, the wait, the output.
+is read off the lines), the host's time to launch it, the wait, the output,
+and the steps with the longest host time (a stall names itself: garbage
+collection in `gc_ms`, else a hidden synchronisation or a kernel compile).
 
 `KVSERVE_CORE_PROFILE=FILE` adds a cProfile of every step of the core's
 (`LLMEngine.step` and the output message), rewritten to FILE every
 PROFILE_EVERY steps and at exit: where a step's host time goes.
+`KVSERVE_SYNC_CHECK=1` makes a CUDA core warn, once per call site and with its
+line, at every operation that waits for the device (torch's sync debug mode):
+a launch that waits for the step before it serialises the pipeline.
 """
 from __future__ import annotations
 
 import cProfile
+import gc
+import math
 import os
 import pstats
 import statistics
@@ -37,9 +46,35 @@ from collections import defaultdict
 
 ENV = "KVSERVE_STEP_TRACE"
 PROFILE_ENV = "KVSERVE_CORE_PROFILE"
+SYNC_CHECK_ENV = "KVSERVE_SYNC_CHECK"
 FLUSH_EVERY = 256
 PROFILE_EVERY = 2000
-HEADER = "start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\n"
+HEADER = "start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\tgc_ms\n"
+OLD_HEADER = HEADER.replace("\tgc_ms", "")   # traces written before the gc column
+
+
+class GcClock:
+    """Time spent in Python's cyclic garbage collections, read and reset by `take_ms`."""
+
+    def __init__(self) -> None:
+        self._ns = 0
+        self._started = 0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter_ns()
+        elif self._started:
+            self._ns += time.perf_counter_ns() - self._started
+            self._started = 0
+
+    def take_ms(self) -> float:
+        ns, self._ns = self._ns, 0
+        return ns / 1e6
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
 
 class StepTrace:
@@ -49,6 +84,7 @@ class StepTrace:
         self.path = path
         self._lines: list[str] = []
         self._num_eager = 0   # the runner's count of forwards run without a graph, at the last step
+        self._gc = GcClock()
         with open(path, "w") as f:
             f.write(HEADER)
 
@@ -63,7 +99,7 @@ class StepTrace:
         num_eager, self._num_eager = self._num_eager, engine.runner.num_eager_forwards
         eager = int(self._num_eager > num_eager)
         self._lines.append(f"{start:.6f}\t{step_s * 1e3:.3f}\t{wait_s * 1e3:.3f}\t{out_s * 1e3:.3f}\t{rows}\t"
-                           f"{prompt}\t{eager}\n")
+                           f"{prompt}\t{eager}\t{self._gc.take_ms():.3f}\n")
         if len(self._lines) >= FLUSH_EVERY:
             self.flush()
 
@@ -71,6 +107,10 @@ class StepTrace:
         with open(self.path, "a") as f:
             f.writelines(self._lines)
         self._lines.clear()
+
+    def close(self) -> None:
+        self.flush()
+        self._gc.close()
 
 
 class StepProfile:
@@ -107,14 +147,24 @@ def now() -> float:
     return time.perf_counter()
 
 
+def enable_sync_check_from_env() -> bool:
+    """With KVSERVE_SYNC_CHECK=1 on a CUDA machine: warn at each synchronising call (first per site)."""
+    import torch
+    if os.environ.get(SYNC_CHECK_ENV) != "1" or not torch.cuda.is_available():
+        return False
+    torch.cuda.set_sync_debug_mode("warn")
+    return True
+
+
 # -- the summary ------------------------------------------------------------------------
 def read(path: str) -> list[dict[str, float]]:
     """The trace's lines; a file that is not one is a ValueError naming it."""
     with open(path) as f:
         names = f.readline().split()
-        if names != HEADER.split():
+        if names not in (HEADER.split(), OLD_HEADER.split()):
             raise ValueError(f"{path} is not a step trace: its header is {names}, expected {HEADER.split()}")
-        return [_parse(path, number, names, line) for number, line in enumerate(f, 2) if line.strip()]
+        return [{"gc_ms": math.nan, **_parse(path, number, names, line)}
+                for number, line in enumerate(f, 2) if line.strip()]
 
 
 def _parse(path: str, number: int, names: list[str], line: str) -> dict[str, float]:
@@ -174,7 +224,19 @@ def summary(steps: list[dict[str, float]]) -> str:
     lines.append(f"ms per kind of launched step. device: the pipeline's time on the step (the next line's "
                  f"period); host: launching it; wait: for the step before it (< 0.1 ms: the host set the "
                  f"pace, {host_bound:.0%} of steps)")
-    return "\n".join(lines)
+    return "\n".join(lines + longest_host(groups["all"]))
+
+
+def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:
+    """The steps whose launch took the host longest, with their garbage-collection time."""
+    worst = sorted(steps, key=lambda s: -s["host_ms"])[:count]
+    return ["longest host ms: " + ", ".join(
+        f"{s['host_ms']:.1f} at {s['start_s']:.2f} s ({kind(s)}, {s['prompt_tokens']:.0f} prompt, gc {_ms(s['gc_ms'])})"
+        for s in worst)] if worst else []
+
+
+def _ms(value: float) -> str:
+    return "not traced" if math.isnan(value) else f"{value:.1f}"
 
 
 def busy_segments(steps: list[dict[str, float]], min_idle_s: float = 1.0) -> list[list[dict[str, float]]]:
