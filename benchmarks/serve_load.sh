@@ -4,6 +4,7 @@
 # Usage (repo root): bash benchmarks/serve_load.sh kvserve|vllm MODEL_DIR "WORKLOAD:RATE[:N] ..."
 #   MODEL_DIR: config.json + tokenizer (benchmarks/make_dummy_model.py); both engines build dummy weights.
 #   N: requests of that run (default 768). env: OUT (result folder), EXTRA (more server flags),
+#   CLIENT_PROCESSES (client processes, default 4: one falls behind its schedule past ~60 req/s),
 #   PYSPY_SECONDS (py-spy the server and its engine-core process during the first run, 5 s in:
 #   collapsed stacks per thread in $OUT/pyspy_ENGINE.txt).
 # vLLM comes from .vsite (../shared/peers/vllm/README.md); its site also carries kvserve's server deps.
@@ -34,9 +35,9 @@ if [ -n "${PYSPY_SECONDS:-}" ]; then
 fi
 for run in $runs; do
   IFS=: read -r w r n <<< "$run"; n=${n:-768}
-  echo "\$ kvserve bench serve --workload $w --num-prompts $n --request-rate $r --tokenizer $dir --max-len 8192"
+  echo "\$ kvserve bench serve --workload $w --num-prompts $n --request-rate $r --tokenizer $dir --max-len 8192 --client-processes ${CLIENT_PROCESSES:-4}"
   timeout 300 python3 -m kvserve.cli bench serve --url "http://127.0.0.1:$port" --workload "$w" \
-    --num-prompts "$n" --request-rate "$r" --tokenizer "$dir" --max-len 8192 \
+    --num-prompts "$n" --request-rate "$r" --tokenizer "$dir" --max-len 8192 --client-processes "${CLIENT_PROCESSES:-4}" \
     --save-json "$OUT/${engine}_${w}_${r}.json" 2>&1 | grep -E "^(=|Succ|Failed|Bench|Request thr|Send lag|latency|TTFT|ITL|E2E|Prefix|Preem|errors)" | cut -c1-160
 done
 kill $server; wait $server 2> /dev/null

@@ -51,7 +51,7 @@ case $stage in
   3)
     python3 -m pip install -q --no-index --no-deps --no-compile --target .vsite .vp3/*.whl
     export PATH=$PWD/.vsite/bin:$PATH
-    KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv timeout 420 \
+    KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv KVSERVE_SYNC_CHECK=1 timeout 420 \
       bash benchmarks/serve_load.sh kvserve "$PWD/.dummy-qwen3-8b" "$runs"
     PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$OUT/steps_kvserve.tsv" --segments \
       > "$OUT/steps_kvserve_summary.txt"; gzip "$OUT/steps_kvserve.tsv"; pack kvserve

@@ -272,6 +272,21 @@ def test_bench_serve_runs_against_the_server(embedded, tmp_path, capsys):
     assert "TTFT" in capsys.readouterr().out
 
 
+def test_bench_serve_from_two_client_processes(embedded, tmp_path):
+    """--client-processes 2: every request completes, sent on the one schedule (none before it is
+    due, the lead time for starting the processes not counted in the run)."""
+    from kvserve.cli import main
+    out = tmp_path / "r.json"
+    assert main(["bench", "serve", "--url", embedded.url, "--workload", "mixed", "--num-prompts", "6",
+                 "--request-rate", "20", "--scale", "0.02", "--client-processes", "2",
+                 "--save-json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    summary, rows = saved["summary"], saved["requests"]
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert all(r["sent_s"] >= r["due_s"] - 1e-3 for r in rows if r["due_s"] is not None)
+    assert 0 <= min(r["sent_s"] for r in rows) < 1.0 and max(r["sent_s"] for r in rows) < summary["duration_s"]
+
+
 # -- concurrency, disconnects, overload (tiny model) ------------------------------------------
 async def _stream_client(client: openai.AsyncOpenAI, i: int, disconnect: bool) -> tuple[int, str | None]:
     prompt = [3 + (i * 7 + j) % 200 for j in range(16)]

@@ -139,3 +139,28 @@ def test_a_busy_client_catches_up_with_the_schedule():
     lags = [r.sent - r.due for r in results]
     assert all(r.due is not None for r in results) and min(lags) >= 0
     assert lags[-1] < 0.05
+
+
+def test_a_small_mixed_workload_may_hold_no_code_review():
+    requests = generate_workload("mixed", 6, seed=0, scale=0.02, max_len=512)
+    assert len(requests) == 6 and all(r.scenario != "code-review" and r.after is None for r in requests)
+
+
+def test_client_processes_take_whole_conversations_in_schedule_order():
+    """--client-processes: every request goes to exactly one process; a follow-up turn goes with
+    the turn it waits for, its `after` renumbered to that turn's place in the process's list."""
+    from kvserve.bench.serve_processes import owners, split
+    requests = generate_workload("mixed", 60, seed=1)
+    due = [i * 0.01 for i in range(len(requests))]
+    owner = owners(requests, 3)
+    assert all(owner[i] == owner[r.after] for i, r in enumerate(requests) if r.after is not None)
+    firsts = [owner[i] for i, r in enumerate(requests) if r.after is None]
+    assert firsts[:6] == [0, 1, 2, 0, 1, 2]
+    parts = split(requests, due, 3)
+    assert sorted(i for indices, _, _ in parts for i in indices) == list(range(len(requests)))
+    for indices, mine, part_due in parts:
+        assert part_due == [due[i] for i in indices] and part_due == sorted(part_due)
+        for local, (i, r) in enumerate(zip(indices, mine)):
+            assert r.prompt == requests[i].prompt
+            if r.after is not None:
+                assert indices[r.after] == requests[i].after and r.after < local

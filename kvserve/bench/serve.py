@@ -16,10 +16,11 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from kvserve.bench.serve_processes import LEAD_S, send_in_processes
 from kvserve.bench.workloads import WORKLOADS, WorkloadRequest, generate_workload
 
 SAMPLE_PERIOD_S = 0.5
@@ -57,7 +58,7 @@ class KVSample:
 class BenchClient:
     def __init__(self, url: str, model: str, ignore_eos: bool, timeout_s: float) -> None:
         import httpx
-        self.url, self.model, self.ignore_eos = url.rstrip("/"), model, ignore_eos
+        self.url, self.model, self.ignore_eos, self.timeout_s = url.rstrip("/"), model, ignore_eos, timeout_s
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.http = httpx.AsyncClient(timeout=timeout_s, limits=limits)
 
@@ -119,16 +120,36 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 # -- the run -----------------------------------------------------------------------------
 async def run_benchmark(client: BenchClient, requests: list[WorkloadRequest], request_rate: float,
-                        max_concurrency: int | None, seed: int, progress: bool = True):
+                        max_concurrency: int | None, seed: int, progress: bool = True, processes: int = 1):
+    """Send `requests` on their Poisson schedule; with `processes` > 1 the sends and the stream
+    reading are split over that many client processes (one event loop parses ~10^4 chunks a
+    second before it falls behind its schedule). Metrics are scraped from this process."""
     from tqdm.auto import tqdm
-    rng = random.Random(seed)
-    done = [asyncio.Event() for _ in requests]
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    due = arrival_times(len(requests), request_rate, random.Random(seed))
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress or processes > 1)
     samples: list[KVSample] = []
     before = await client.metrics()
-    start = time.perf_counter()
+    start = time.perf_counter() + (LEAD_S if processes > 1 else 0.0)
     sampler = asyncio.ensure_future(_sample_kv(client, samples, start))
+    if processes > 1:
+        results = await send_in_processes(client, requests, due, max_concurrency, processes, start)
+    else:
+        results = await send_on_schedule(client, requests, due, max_concurrency, start, bar.update)
+    for result, request, at in zip(results, requests, due):
+        result.due = at if request.after is None else None
+    duration = time.perf_counter() - start
+    sampler.cancel()
+    after = await client.metrics()
+    bar.close()
+    return list(results), duration, before, after, samples
+
+
+async def send_on_schedule(client: BenchClient, requests: list[WorkloadRequest], due: list[float],
+                           max_concurrency: int | None, start: float,
+                           on_done: Callable[[int], Any] = lambda n: None) -> list[RequestResult]:
+    """Each request sent at `start + due[i]` (a follow-up turn once its predecessor is done)."""
+    done = [asyncio.Event() for _ in requests]
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(i: int, request: WorkloadRequest) -> RequestResult:
         if request.after is not None:
@@ -140,24 +161,16 @@ async def run_benchmark(client: BenchClient, requests: list[WorkloadRequest], re
                 return await _send(client, request, start)
         finally:
             done[i].set()
-            bar.update(1)
+            on_done(1)
 
     tasks = []
-    due = arrival_times(len(requests), request_rate, rng)
     for i, request in enumerate(requests):
         # Sleep until the scheduled time, not for the gap: a client busy reading streams
         # would otherwise fall further behind with every request (a 768-request run at
         # 60 req/s sent its last request at 16.5 s instead of 12.7 s) and offer less load.
         await asyncio.sleep(max(0.0, start + due[i] - time.perf_counter()))
         tasks.append(asyncio.ensure_future(one(i, request)))
-    results = await asyncio.gather(*tasks)
-    for result, request, at in zip(results, requests, due):
-        result.due = at if request.after is None else None
-    duration = time.perf_counter() - start
-    sampler.cancel()
-    after = await client.metrics()
-    bar.close()
-    return list(results), duration, before, after, samples
+    return list(await asyncio.gather(*tasks))
 
 
 def arrival_times(n: int, request_rate: float, rng: random.Random) -> list[float]:
@@ -328,6 +341,9 @@ def add_serve_bench_parser(kinds: Any) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="mean requests/s of Poisson arrivals (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="send and read streams from this many processes (one falls behind its schedule "
+                        "past ~60 req/s of ide-completion); --max-concurrency is split among them")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every workload length by this")
     p.add_argument("--max-len", type=int, default=None,
                    help="prompt + output token cap (default: the server's max_model_len)")
@@ -353,8 +369,9 @@ def token_id_prompts(requests: list[WorkloadRequest], tokenizer_dir: str) -> lis
 
 
 def run_serve_bench_cli(a: argparse.Namespace) -> int:
-    if a.num_prompts < 1 or not a.request_rate > 0:
-        raise ValueError("--num-prompts must be >= 1 and --request-rate > 0")
+    if a.num_prompts < 1 or not a.request_rate > 0 or a.client_processes < 1:
+        raise ValueError(f"--num-prompts and --client-processes must be >= 1 and --request-rate > 0, "
+                         f"got {a.num_prompts}, {a.client_processes} and {a.request_rate}")
     return asyncio.run(_main(a))
 
 
@@ -369,7 +386,7 @@ async def _main(a: argparse.Namespace) -> int:
         if a.tokenizer:
             requests = token_id_prompts(requests, a.tokenizer)
         results, duration, before, after, samples = await run_benchmark(
-            client, requests, a.request_rate, a.max_concurrency, a.seed)
+            client, requests, a.request_rate, a.max_concurrency, a.seed, processes=a.client_processes)
     finally:
         await client.close()
     summary = summarize(results, duration, before, after, samples, slos)

@@ -184,7 +184,7 @@ def _interleave(conversations: list[list[WorkloadRequest]], first_index: int) ->
     """Round-robin over conversations; each turn records its predecessor's index."""
     out: list[WorkloadRequest] = []
     last_index: dict[int, int] = {}
-    depth = max(len(c) for c in conversations)
+    depth = max((len(c) for c in conversations), default=0)   # mixed may pick no review at all
     for turn in range(depth):
         for c, turns in enumerate(conversations):
             if turn < len(turns):
