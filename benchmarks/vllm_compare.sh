@@ -8,7 +8,8 @@
 #   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs (the rate
 #                                                sweep included), then its offline seed scenarios
 #   stage 4  carry [".dummy-qwen3-8b"]:          vLLM's serving runs (about 150 s of start-up)
-#   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's offline seed scenarios
+#   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's decode-step profile at ide's shape; its offline
+#                                                seed scenarios
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
 # site: carrying kvserve's own beside .vp2 would pass the 64 MiB a call may carry.
 # Carry .dummy-qwen3-8b in every call that serves: ignored paths not carried are removed there.
@@ -60,6 +61,8 @@ case $stage in
     export PATH=$PWD/.vsite/bin:$PATH
     timeout 560 bash benchmarks/serve_load.sh vllm "$PWD/.dummy-qwen3-8b" "$runs"; pack vllm ;;
   5)
-    offline vllm 400 ;;
+    PYTHONPATH=$PWD:$PWD/.vsite timeout 200 python3 benchmarks/vllm_step_profile.py "$PWD/.dummy-qwen3-8b" \
+      2>&1 | grep -E "^vllm|^GPU|ms/step|Error" | tee "$OUT/vllm_ide24prof.txt"
+    offline vllm 380 ;;
   *) echo "stage must be 1, 2, 3, 4 or 5"; exit 2 ;;
 esac
