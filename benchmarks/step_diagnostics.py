@@ -8,7 +8,8 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
   python3 benchmarks/step_diagnostics.py decode24prof  # batch24's profile, decode steps only
   python3 benchmarks/step_diagnostics.py decode24  # steady decode ms/step, 24 x ~3.7K context (wall clock)
   python3 benchmarks/step_diagnostics.py ide112prof  # decode profile, 112 x ~900 tokens, 16 per shared 700-token prefix
-  python3 benchmarks/step_diagnostics.py ide24prof   # the same at 24 x ~900 tokens, 3 per prefix (ide at 30 req/s)
+  python3 benchmarks/step_diagnostics.py ide24prof [VOCAB]  # the same at 24 x ~900 tokens, 3 per prefix (ide at
+                                                    # 30 req/s); VOCAB 49152: the served directory's (vllm_step_profile.py)
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
@@ -73,7 +74,10 @@ def step_profile(what: str) -> None:
     from kvserve import LLM, SamplingParams
     n, plen, out = {"batch24": (24, 3600, 48), "decode24prof": (24, 3600, 48),
                     "ide112prof": (112, 890, 48), "ide24prof": (24, 890, 48)}.get(what, (1, 128, 48))
-    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384)
+    # An optional second argument sets the vocabulary (the served dummy directory's is 49,152).
+    vocab = {"vocab_size": int(sys.argv[2])} if len(sys.argv) > 2 else None
+    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384,
+              hf_overrides=vocab)
     prompts = [[100 + (i * 7 + j) % 5000 for j in range(plen)] for i in range(n)]
     if what.startswith("ide"):  # the IDE workload's shape: 700-token file prefixes (16 or 3 requests each)
         share = 16 if what == "ide112prof" else 3
@@ -111,7 +115,10 @@ def step_profile(what: str) -> None:
 
 def decode24() -> None:
     from kvserve import LLM, SamplingParams
-    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384)
+    # An optional second argument sets the vocabulary (the served dummy directory's is 49,152).
+    vocab = {"vocab_size": int(sys.argv[2])} if len(sys.argv) > 2 else None
+    llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384,
+              hf_overrides=vocab)
     prompts = [{"prompt_token_ids": [100 + (i * 7919 + j * 31) % 90000 for j in range(3600)]} for i in range(24)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     times = {}

@@ -44,7 +44,7 @@ case $stage in
     gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py" \
       "$OUT/gpu_tests_1.txt"
     # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s
-    PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py ide24prof | tee "$OUT/ide24prof.txt" ;;
+    PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py ide24prof 49152 | tee "$OUT/ide24prof.txt" ;;
   2)
     cat .vp1/* .vp2/* | xz -d -T8 | tar -x -C .vsite
     TEST_SECONDS=150 gpu_tests "tests/test_deepseek_v4_graphs.py tests/test_deepseek_v4_engine.py" \
