@@ -436,9 +436,9 @@ def test_the_step_trace_reader_names_a_bad_file_and_line(tmp_path, capsys):
     assert step_trace.main([str(other)]) == 1
     assert "is not a step trace" in capsys.readouterr().out
     cut = tmp_path / "cut.tsv"
-    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t0.0\n2.0\t5.0\n")
+    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t0.0\t0.0\n2.0\t5.0\n")
     assert step_trace.main([str(cut)]) == 1
-    assert "line 3: 2 fields, expected 8" in capsys.readouterr().out
+    assert "line 3: 2 fields, expected 9" in capsys.readouterr().out
 
 
 def test_the_step_trace_times_garbage_collection_and_names_the_longest_host_steps(tmp_path):
@@ -456,12 +456,40 @@ def test_the_step_trace_times_garbage_collection_and_names_the_longest_host_step
     old = tmp_path / "old.tsv"
     old.write_text(step_trace.OLD_HEADER + "".join(f"{t / 1e3}\t5.0\t4.0\t0.1\t8\t0\t0\n" for t in range(0, 60, 6)))
     steps = step_trace.read(str(old))
-    assert all(s["gc_ms"] != s["gc_ms"] for s in steps)   # NaN: not traced
-    steps[3].update(step_ms=300.0, wait_ms=0.0, gc_ms=250.0)
+    assert all(s["gc_ms"] != s["gc_ms"] and s["jit_ms"] != s["jit_ms"] for s in steps)   # NaN: not traced
+    steps[3].update(step_ms=300.0, wait_ms=0.0, gc_ms=250.0, jit_ms=0.0)
     steps[5].update(step_ms=200.0, wait_ms=0.0)
     text = step_trace.summary(steps)
-    assert ("longest host ms: 300.0 at 0.02 s (decode/graph, 0 prompt, gc 250.0), "
-            "200.0 at 0.03 s (decode/graph, 0 prompt, gc not traced)") in text
+    assert ("longest host ms: 300.0 at 0.02 s (decode/graph, 0 prompt, gc 250.0, jit 0.0), "
+            "200.0 at 0.03 s (decode/graph, 0 prompt, gc not traced, jit not traced)") in text
+
+
+def test_the_step_trace_times_triton_compiles_and_keeps_other_hooks(monkeypatch, caplog):
+    """jit_ms: Triton's hooks before and after a compile time it; a slow one is logged by name;
+    a hook installed before keeps being called (its result too: a true one skips the compile);
+    closing restores it."""
+    import time
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from kvserve.engine import step_trace
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **info: seen.append(info["key"]) or None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(step_trace, "SLOW_JIT_MS", 5.0)
+    before = knobs.runtime.jit_cache_hook
+    clock = step_trace.JitClock()
+    info = dict(repr="", fn=SimpleNamespace(name="_decode_split_kernel"), compile={}, is_manual_warmup=False,
+                already_compiled=False)
+    assert knobs.runtime.jit_cache_hook(key="k1", **info) is None and seen == ["k1"]
+    time.sleep(0.01)
+    knobs.runtime.jit_post_compile_hook(key="k1", **info)
+    assert clock.take_ms() >= 10 and clock.take_ms() == 0
+    assert "_decode_split_kernel in" in caplog.text
+    clock.close()
+    assert knobs.runtime.jit_cache_hook is before and knobs.runtime.jit_post_compile_hook is None
 
 
 def test_the_sync_check_is_opt_in_and_needs_cuda(monkeypatch):

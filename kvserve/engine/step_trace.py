@@ -4,7 +4,7 @@
 step to FILE (tab-separated, flushed every FLUSH_EVERY steps, so a killed
 server keeps nearly all of it):
 
-    start_s  step_ms  wait_ms  out_ms  rows  prompt_tokens  eager  gc_ms
+    start_s  step_ms  wait_ms  out_ms  rows  prompt_tokens  eager  gc_ms  jit_ms
 
 - `step_ms`: `LLMEngine.step` (schedule, launch of step N+1, wait for step N,
   output processing);
@@ -16,14 +16,18 @@ server keeps nearly all of it):
   gives a token) and prompt tokens (chunks of more than one token); `eager`: 1
   when it ran without a CUDA graph. A line that launched nothing has zeros;
 - `gc_ms`: Python's cyclic garbage collector's time inside the step (a full
-  collection stalls the host; traces written before this column read as NaN).
+  collection stalls the host); `jit_ms`: Triton compiling (or loading from its
+  disk cache) a kernel variant first used in the step. Traces written before
+  these columns read as NaN. A compile of more than SLOW_JIT_MS is also logged
+  with the kernel's name.
 
 `python -m kvserve.engine.step_trace FILE` prints percentiles per kind of
 launched step (decode only or mixed, graph or eager): the pipeline's time on
 it (what a stream's inter-token latency is made of; `with_periods` says how it
 is read off the lines), the host's time to launch it, the wait, the output,
 and the steps with the longest host time (a stall names itself: garbage
-collection in `gc_ms`, else a hidden synchronisation or a kernel compile).
+collection in `gc_ms`, a kernel compile in `jit_ms`, else a hidden
+synchronisation).
 
 `KVSERVE_CORE_PROFILE=FILE` adds a cProfile of every step of the core's
 (`LLMEngine.step` and the output message), rewritten to FILE every
@@ -41,16 +45,20 @@ import os
 import pstats
 import statistics
 import sys
+import logging
 import time
 from collections import defaultdict
+
+logger = logging.getLogger(__name__)
 
 ENV = "KVSERVE_STEP_TRACE"
 PROFILE_ENV = "KVSERVE_CORE_PROFILE"
 SYNC_CHECK_ENV = "KVSERVE_SYNC_CHECK"
 FLUSH_EVERY = 256
 PROFILE_EVERY = 2000
-HEADER = "start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\tgc_ms\n"
-OLD_HEADER = HEADER.replace("\tgc_ms", "")   # traces written before the gc column
+SLOW_JIT_MS = 50.0
+HEADER = "start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\tgc_ms\tjit_ms\n"
+OLD_HEADER = HEADER.replace("\tgc_ms\tjit_ms", "")   # traces written before those columns
 
 
 class GcClock:
@@ -77,6 +85,49 @@ class GcClock:
             gc.callbacks.remove(self._on_gc)
 
 
+class JitClock:
+    """Time Triton spends compiling kernel variants, from its JIT hooks (called before and after
+    each compile of a variant new to the process); earlier hooks keep being called."""
+
+    def __init__(self) -> None:
+        self._ns = 0
+        self._started: dict[str, int] = {}
+        self._knobs = _triton_runtime_knobs()
+        if self._knobs is not None:
+            self._before, self._after = self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._on_start, self._on_done
+
+    def _on_start(self, **info):
+        self._started[info["key"]] = time.perf_counter_ns()
+        return self._before(**info) if self._before else None   # a true result would skip the compile
+
+    def _on_done(self, **info):
+        ns = time.perf_counter_ns() - self._started.pop(info["key"], time.perf_counter_ns())
+        self._ns += ns
+        if ns / 1e6 > SLOW_JIT_MS:
+            logger.warning("Triton compiled a new variant of %s in %.0f ms, during serving",
+                           info["fn"].name, ns / 1e6)
+        return self._after(**info) if self._after else None
+
+    def take_ms(self) -> float:
+        if self._knobs is None:
+            return math.nan
+        ns, self._ns = self._ns, 0
+        return ns / 1e6
+
+    def close(self) -> None:
+        if self._knobs is not None and self._knobs.jit_cache_hook == self._on_start:
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._before, self._after
+
+
+def _triton_runtime_knobs():
+    try:
+        from triton import knobs
+        return knobs.runtime
+    except (ImportError, AttributeError):   # no Triton, or one without JIT hooks
+        return None
+
+
 class StepTrace:
     """Collects step lines in memory and appends them to `path` in batches."""
 
@@ -84,7 +135,7 @@ class StepTrace:
         self.path = path
         self._lines: list[str] = []
         self._num_eager = 0   # the runner's count of forwards run without a graph, at the last step
-        self._gc = GcClock()
+        self._gc, self._jit = GcClock(), JitClock()
         with open(path, "w") as f:
             f.write(HEADER)
 
@@ -99,7 +150,7 @@ class StepTrace:
         num_eager, self._num_eager = self._num_eager, engine.runner.num_eager_forwards
         eager = int(self._num_eager > num_eager)
         self._lines.append(f"{start:.6f}\t{step_s * 1e3:.3f}\t{wait_s * 1e3:.3f}\t{out_s * 1e3:.3f}\t{rows}\t"
-                           f"{prompt}\t{eager}\t{self._gc.take_ms():.3f}\n")
+                           f"{prompt}\t{eager}\t{self._gc.take_ms():.3f}\t{self._jit.take_ms():.3f}\n")
         if len(self._lines) >= FLUSH_EVERY:
             self.flush()
 
@@ -111,6 +162,7 @@ class StepTrace:
     def close(self) -> None:
         self.flush()
         self._gc.close()
+        self._jit.close()
 
 
 class StepProfile:
@@ -163,7 +215,7 @@ def read(path: str) -> list[dict[str, float]]:
         names = f.readline().split()
         if names not in (HEADER.split(), OLD_HEADER.split()):
             raise ValueError(f"{path} is not a step trace: its header is {names}, expected {HEADER.split()}")
-        return [{"gc_ms": math.nan, **_parse(path, number, names, line)}
+        return [{"gc_ms": math.nan, "jit_ms": math.nan, **_parse(path, number, names, line)}
                 for number, line in enumerate(f, 2) if line.strip()]
 
 
@@ -228,11 +280,11 @@ def summary(steps: list[dict[str, float]]) -> str:
 
 
 def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:
-    """The steps whose launch took the host longest, with their garbage-collection time."""
+    """The steps whose launch took the host longest, with their garbage-collection and compile time."""
     worst = sorted(steps, key=lambda s: -s["host_ms"])[:count]
     return ["longest host ms: " + ", ".join(
-        f"{s['host_ms']:.1f} at {s['start_s']:.2f} s ({kind(s)}, {s['prompt_tokens']:.0f} prompt, gc {_ms(s['gc_ms'])})"
-        for s in worst)] if worst else []
+        f"{s['host_ms']:.1f} at {s['start_s']:.2f} s ({kind(s)}, {s['prompt_tokens']:.0f} prompt, "
+        f"gc {_ms(s['gc_ms'])}, jit {_ms(s['jit_ms'])})" for s in worst)] if worst else []
 
 
 def _ms(value: float) -> str:
