@@ -96,6 +96,28 @@ def _attend_newest(q, k_new, v_new, m_i, l_i, acc, qk_scale, owns):
 # The block table's width (its row stride) changes from batch to batch; left
 # to specialise, each new divisibility class compiles the kernel anew while a
 # live server waits (seen as 0.4 s of Triton compiles in a served run's profile).
+@triton.jit
+def _attend_and_store_newest(q, m_i, l_i, acc, qk_scale, owns_newest, token, kv_head,
+                             k_new_ptr, v_new_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt,
+                             stride_vh, k_cache_ptr, v_cache_ptr, stride_cache_block, stride_cache_offset,
+                             kv_head_offset, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The step's own key and value from k_new/v_new: attended by the split that owns them
+    (`owns_newest`), which also stores them into the cache slot (slot < 0: a graph's padding row)."""
+    dims = tl.arange(0, HEAD_DIM)
+    k_new = tl.load(k_new_ptr + token * stride_kt + kv_head * stride_kh + dims)
+    v_new = tl.load(v_new_ptr + token * stride_vt + kv_head * stride_vh + dims)
+    k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+    v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+    m_i, l_i, acc = _attend_newest(q, k_new, v_new, m_i, l_i, acc, qk_scale, owns_newest)
+    slot = tl.load(slot_mapping_ptr + token)
+    if owns_newest & (slot >= 0):
+        dst = ((slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_offset
+               + kv_head_offset + dims)
+        tl.store(k_cache_ptr + dst, k_new)
+        tl.store(v_cache_ptr + dst, v_new)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_table_ptr,
@@ -145,18 +167,11 @@ def _decode_split_kernel(
         stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale,
         BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
     if WRITE_NEW:
-        owns_newest = (start <= newest) & (newest < end)
-        k_new = tl.load(k_new_ptr + token * stride_kt + kv_head * stride_kh + dims)
-        v_new = tl.load(v_new_ptr + token * stride_vt + kv_head * stride_vh + dims)
-        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-        m_i, l_i, acc = _attend_newest(q, k_new, v_new, m_i, l_i, acc, qk_scale, owns_newest)
-        slot = tl.load(slot_mapping_ptr + token)
-        if owns_newest & (slot >= 0):  # slot < 0: a padding row of a CUDA graph
-            dst = ((slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_offset
-                   + kv_head_offset + dims)
-            tl.store(k_cache_ptr + dst, k_new)
-            tl.store(v_cache_ptr + dst, v_new)
+        m_i, l_i, acc = _attend_and_store_newest(
+            q, m_i, l_i, acc, qk_scale, (start <= newest) & (newest < end), token, kv_head,
+            k_new_ptr, v_new_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+            k_cache_ptr, v_cache_ptr, stride_cache_block, stride_cache_offset, kv_head_offset,
+            HEAD_DIM, PAGE_SIZE)
     store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
                 split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
