@@ -57,6 +57,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import compress, repeat
+from operator import attrgetter
+from typing import NamedTuple
+
+import numpy as np
 
 from kvserve.cache.host_tier import CopyBatch
 from kvserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
@@ -67,8 +73,11 @@ from kvserve.request import Request, RequestStatus
 PREFIX_WINDOW = 128
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
+    """One row of a step. A named tuple, not a dataclass: a decode step builds
+    one per running request, and a steady decode step builds them all with
+    one C-level `map` (`_schedule_decodes`), no Python __init__ per row."""
+
     request: Request
     num_new_tokens: int
     # num_computed_tokens before this step: the batch's first position.
@@ -190,6 +199,34 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        left = self._schedule_decodes(out, budget)
+        return left if left is not None else self._schedule_each(out, budget)
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int | None:
+        """`_schedule_each` for a steady decode step, in bulk: every running
+        request that can grow computes one token, and the budget covers them
+        all. Rows whose end only moves inside its tail block (most) move
+        together (`move_ends_within_tails`); the rest allocate one by one, in
+        order, preempting as `_schedule_each` does. Returns the budget left,
+        or None, having changed nothing, for any other step."""
+        running = self.running
+        if len(running) < BULK_DECODE_MIN:
+            return None
+        columns = _DecodeColumns(running)
+        if not columns.is_decode or columns.num_growing > budget:
+            return None
+        moved = self.kv_cache.move_ends_within_tails(columns.growing(_request_id), columns.ends)
+        for i in columns.growing_rows(~moved):  # a block to open, a tail filling up
+            if i >= len(running):
+                break  # preempted by an earlier row's allocation
+            request = running[i]
+            if not self.kv_cache.allocate_slots(request, 1) and not self._preempt_until_fits(request, 1, out):
+                break  # `request` itself was preempted; everything after it too.
+        rows = columns.rows_before(len(running))
+        out.scheduled.extend(map(_new_row, zip(rows, repeat(1), columns.starts(len(rows)))))
+        return budget - len(rows)
+
+    def _schedule_each(self, out: SchedulerOutput, budget: int) -> int:
         i, scheduled, running, allocate = 0, out.scheduled, self.running, self.kv_cache.allocate_slots
         while i < len(running) and budget > 0:  # hot loop: Request's properties inlined
             request = running[i]
@@ -373,3 +410,60 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
     if request.sampling_params.prompt_logprobs is None or computed.is_swap_in:
         return False
     return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)
+
+
+# A steady decode step's rows are built in bulk below this many running requests
+# it is not worth the fixed cost of its array passes.
+BULK_DECODE_MIN = 8
+
+_request_id = attrgetter("request_id")
+_new_row = partial(tuple.__new__, ScheduledRequest)  # ScheduledRequest._make without its Python frame
+
+
+class _DecodeColumns:
+    """The running requests' decode state as arrays, read with C-level passes
+    (`map` of attribute getters; no Python frame per request): what
+    `_schedule_each` reads from each request, for `_schedule_decodes`."""
+
+    def __init__(self, running: list[Request]) -> None:
+        n = len(running)
+        self.running = running
+        num_output = np.fromiter(map(len, map(_output, running)), np.int64, n)
+        pending = np.fromiter(map(_pending, running), np.int64, n)
+        self.computed = np.fromiter(map(_computed, running), np.int64, n)
+        # Not can_grow: such a request's last token is in flight (`_schedule_each`).
+        self.grows = num_output + pending < np.fromiter(map(_max_tokens, running), np.int64, n)
+        num_new = np.fromiter(map(len, map(_prompt, running)), np.int64, n) + num_output + pending \
+            - self.computed
+        self.all_grow = bool(self.grows.all())
+        self.is_decode = bool((num_new == 1).all() if self.all_grow else (num_new[self.grows] == 1).all())
+        self.num_growing = n if self.all_grow else int(self.grows.sum())
+        self.ends = self.computed + 1 if self.all_grow else self.computed[self.grows] + 1
+
+    def growing(self, getter) -> list:
+        """`getter` of each request that grows, in order."""
+        values = map(getter, self.running)
+        return list(values) if self.all_grow else list(compress(values, self.grows.tolist()))
+
+    def growing_rows(self, among: np.ndarray) -> list[int]:
+        """Running indices of the growing requests selected by `among` (a mask over them)."""
+        rows = np.flatnonzero(self.grows)
+        return (rows[among] if not self.all_grow else np.flatnonzero(among)).tolist()
+
+    def rows_before(self, stop: int) -> list[Request]:
+        """The growing requests among running[:stop], in order."""
+        if self.all_grow:
+            return self.running[:stop]
+        return list(compress(self.running[:stop], self.grows[:stop].tolist()))
+
+    def starts(self, count: int) -> list[int]:
+        """The first `count` growing requests' start positions."""
+        starts = self.computed if self.all_grow else self.computed[self.grows]
+        return starts[:count].tolist()
+
+
+_output = attrgetter("output_token_ids")
+_prompt = attrgetter("prompt_token_ids")
+_pending = attrgetter("num_pending_tokens")
+_computed = attrgetter("num_computed_tokens")
+_max_tokens = attrgetter("sampling_params.max_tokens")
