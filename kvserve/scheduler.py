@@ -90,8 +90,22 @@ class ScheduledRequest(NamedTuple):
 
 
 @dataclass
+class DecodeBatch:
+    """What the bulk decode path (`Scheduler._schedule_decodes`) knows of a
+    step's rows, as arrays: set only when it scheduled every row, so each row
+    computes one token at `starts[i]` and samples (`completes_sequence`)."""
+
+    request_ids: list[str]
+    starts: np.ndarray        # int64: each row's start_pos
+    num_known: np.ndarray     # int64: prompt + output tokens (ids on the host)
+    num_prompt: np.ndarray    # int64: prompt tokens
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Every row's decode state as arrays, when the bulk decode path scheduled them all.
+    decode: DecodeBatch | None = None
     preempted: list[Request] = field(default_factory=list)
     # Must run before this step's forward (even if nothing is scheduled).
     kv_copies: CopyBatch = field(default_factory=CopyBatch)
@@ -192,6 +206,8 @@ class Scheduler:
         deferred = False
         if len(out.preempted) == rotated:  # nobody was preempted for lack of blocks
             deferred = self._schedule_waiting(out, budget)
+        if out.decode is not None and len(out.decode.request_ids) != len(out.scheduled):
+            out.decode = None  # admissions joined the bulk rows
         if deferred:
             out.kv_prefetch = self.kv_cache.take_pending_copies()
         else:
@@ -215,7 +231,8 @@ class Scheduler:
         columns = _DecodeColumns(running)
         if not columns.is_decode or columns.num_growing > budget:
             return None
-        moved = self.kv_cache.move_ends_within_tails(columns.growing(_request_id), columns.ends)
+        request_ids = columns.growing(_request_id)
+        moved = self.kv_cache.move_ends_within_tails(request_ids, columns.ends)
         for i in columns.growing_rows(~moved):  # a block to open, a tail filling up
             if i >= len(running):
                 break  # preempted by an earlier row's allocation
@@ -223,7 +240,9 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, 1) and not self._preempt_until_fits(request, 1, out):
                 break  # `request` itself was preempted; everything after it too.
         rows = columns.rows_before(len(running))
-        out.scheduled.extend(map(_new_row, zip(rows, repeat(1), columns.starts(len(rows)))))
+        decode = columns.batch(request_ids[:len(rows)])
+        out.scheduled.extend(map(_new_row, zip(rows, repeat(1), decode.starts.tolist())))
+        out.decode = decode if rows else None
         return budget - len(rows)
 
     def _schedule_each(self, out: SchedulerOutput, budget: int) -> int:
@@ -387,11 +406,21 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed tokens for what the forward pass just wrote."""
+        if out.decode is not None:
+            self._update_decodes(out.scheduled, out.decode)
+            return
         for item in out.scheduled:
             request, start = item.request, item.start_pos
             request.num_computed_tokens = start + item.num_new_tokens
             if start < len(request.prompt_token_ids):  # a prompt chunk is an event; decode steps are too many
                 request.record_event("prefill", item.num_new_tokens)
+
+    def _update_decodes(self, scheduled: list[ScheduledRequest], decode: DecodeBatch) -> None:
+        """`update_after_step` for a bulk decode step: each row advances one token."""
+        for request, end in zip(map(_request, scheduled), (decode.starts + 1).tolist()):
+            request.num_computed_tokens = end
+        for i in np.flatnonzero(decode.starts < decode.num_prompt).tolist():  # a prompt's last token
+            scheduled[i].request.record_event("prefill", 1)
 
     def remove_finished(self, request: Request, status: RequestStatus) -> None:
         """Finish a request wherever it is: with pipelined steps, a stop can land
@@ -412,11 +441,12 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
     return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)
 
 
-# A steady decode step's rows are built in bulk below this many running requests
-# it is not worth the fixed cost of its array passes.
+# Fewer running requests than this are scheduled one by one: the bulk decode
+# path's array passes cost more than they save.
 BULK_DECODE_MIN = 8
 
 _request_id = attrgetter("request_id")
+_request = attrgetter("request")
 _new_row = partial(tuple.__new__, ScheduledRequest)  # ScheduledRequest._make without its Python frame
 
 
@@ -433,8 +463,9 @@ class _DecodeColumns:
         self.computed = np.fromiter(map(_computed, running), np.int64, n)
         # Not can_grow: such a request's last token is in flight (`_schedule_each`).
         self.grows = num_output + pending < np.fromiter(map(_max_tokens, running), np.int64, n)
-        num_new = np.fromiter(map(len, map(_prompt, running)), np.int64, n) + num_output + pending \
-            - self.computed
+        self.num_prompt = np.fromiter(map(len, map(_prompt, running)), np.int64, n)
+        self.num_known = self.num_prompt + num_output
+        num_new = self.num_known + pending - self.computed
         self.all_grow = bool(self.grows.all())
         self.is_decode = bool((num_new == 1).all() if self.all_grow else (num_new[self.grows] == 1).all())
         self.num_growing = n if self.all_grow else int(self.grows.sum())
@@ -456,10 +487,13 @@ class _DecodeColumns:
             return self.running[:stop]
         return list(compress(self.running[:stop], self.grows[:stop].tolist()))
 
-    def starts(self, count: int) -> list[int]:
-        """The first `count` growing requests' start positions."""
-        starts = self.computed if self.all_grow else self.computed[self.grows]
-        return starts[:count].tolist()
+    def batch(self, request_ids: list[str]) -> DecodeBatch:
+        """The first len(request_ids) growing requests' rows."""
+        count = len(request_ids)
+        columns = (self.computed, self.num_known, self.num_prompt)
+        if not self.all_grow:
+            columns = tuple(c[self.grows] for c in columns)
+        return DecodeBatch(request_ids, *(c[:count] for c in columns))
 
 
 _output = attrgetter("output_token_ids")

@@ -2,12 +2,15 @@
 KV cache manager's `move_ends_within_tails`) against the per-request loop it
 replaces (`_schedule_each`): random pipelined walks, run once with each path
 from the same seed, must schedule, preempt, swap, cache and count the same,
-step by step."""
+step by step. Where the bulk path scheduled every row, the step's batch
+built from its arrays (`SchedulerOutput.decode`) must equal the one built
+row by row."""
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from kvserve import scheduler as scheduler_module
 from kvserve.cache.groups import make_kv_cache_groups
@@ -16,6 +19,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.specs import FullAttentionSpec
 from kvserve.config import SchedulerConfig
 from kvserve.request import Request, RequestStatus
+from kvserve.runner.batch import prepare_inputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import PreemptionCosts, Scheduler
 
@@ -40,6 +44,8 @@ def _walk(seed: int, bulk: bool, monkeypatch: pytest.MonkeyPatch) -> list:
             prompt = (shared[:rng.randint(0, 12)] + [rng.randrange(50) for _ in range(rng.randint(1, 20))])
             s.add_request(Request(f"r{number}", prompt, SamplingParams(max_tokens=rng.randint(1, 30))))
         out = s.schedule()
+        if out.decode is not None:
+            _check_decode_batch(out, kv)
         copies = kv.take_pending_copies()
         s.update_after_step(out)
         launched = [item.request for item in out.scheduled if item.completes_sequence]
@@ -72,11 +78,34 @@ def _resolve_all(s: Scheduler, launched: list[Request], rng: random.Random) -> l
 def _state(s: Scheduler, out, copies) -> tuple:
     kv = s.kv_cache
     ids = sorted(kv._num_tokens)
-    return ([(i.request.request_id, i.num_new_tokens, i.start_pos) for i in out.scheduled],
+    events = [(r.request_id, [e[1:] for e in r.events]) for r in s.running]
+    return (events, [(i.request.request_id, i.num_new_tokens, i.start_pos) for i in out.scheduled],
             [r.request_id for r in out.preempted], [r.request_id for r in s.running],
             [r.request_id for r in s.waiting], kv.num_free_blocks, kv.fragmentation(),
             kv.prefix_cache_hits, kv.num_evictions, s.num_swap_preemptions, str(copies),
             [(i, kv._num_tokens[i], kv.get_block_ids(i)) for i in ids])
+
+
+def _check_decode_batch(out, kv: KVCacheManager) -> None:
+    """The bulk rows' arrays describe every row, and the batch built from them
+    equals the one built row by row (before `update_after_step`)."""
+    rows, decode = out.scheduled, out.decode
+    assert decode.request_ids == [i.request.request_id for i in rows]
+    assert decode.starts.tolist() == [i.start_pos for i in rows]
+    assert decode.num_known.tolist() == [i.request.num_known_tokens for i in rows]
+    assert decode.num_prompt.tolist() == [i.request.num_prompt_tokens for i in rows]
+    assert all(i.num_new_tokens == 1 and i.completes_sequence for i in rows)
+    tables = kv.block_tables(decode.request_ids)
+    fast = prepare_inputs(rows, tables, 4, torch.device("cpu"), decode)
+    slow = prepare_inputs(rows, tables, 4, torch.device("cpu"))
+    assert fast.sampling_rows == slow.sampling_rows
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "seq_idx"):
+        a, b = getattr(fast.host, name), getattr(slow.host, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (fast.host.query_lens, fast.host.seq_lens_list) == (slow.host.query_lens, slow.host.seq_lens_list)
+    assert all(torch.equal(a, b) for a, b in zip(fast.meta.slot_mappings, slow.meta.slot_mappings))
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -8,6 +8,7 @@ import functools
 import itertools
 import logging
 import time
+from operator import attrgetter
 from typing import Any
 
 from kvserve.config import EngineArgs
@@ -22,6 +23,8 @@ from kvserve.runner.prompt_logprobs import PromptLogprobs
 from kvserve.runner.sampler import RequestFailed, SamplerOutput
 
 logger = logging.getLogger(__name__)
+
+_request_id = attrgetter("request.request_id")  # of a scheduled row
 
 # Steps in a row that may fail without a culprit before the engine gives up
 # (the error is then raised to the caller: the engine cannot serve).
@@ -133,7 +136,8 @@ class LLMEngine:
             self._start_write_backs()
             return touched
         start = time.monotonic()
-        tables = self.kv_cache.block_tables([s.request.request_id for s in out.scheduled])
+        request_ids = out.decode.request_ids if out.decode is not None else list(map(_request_id, out.scheduled))
+        tables = self.kv_cache.block_tables(request_ids)
         try:
             launched = self.runner.launch(out, tables, self._in_flight, self.prompt_logprobs)
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step
@@ -363,7 +367,9 @@ class EngineStats:
         self.num_steps += 1
         self.step_time_s += seconds
         # One pass over the batch: a step with any chunk of > 1 token counts as prefill time.
-        prompt_tokens = sum([n for s in out.scheduled if (n := s.num_new_tokens) > 1])
+        # A bulk decode step (`out.decode`) has none.
+        prompt_tokens = 0 if out.decode is not None else sum(
+            [n for s in out.scheduled if (n := s.num_new_tokens) > 1])
         self.last_prompt_tokens = prompt_tokens
         if prompt_tokens:
             self.prefill_time_s += seconds

@@ -15,7 +15,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.request import PENDING_TOKEN
-from kvserve.scheduler import ScheduledRequest
+from kvserve.scheduler import DecodeBatch, ScheduledRequest
 
 ALIGN = 16   # elements: a packed part's start (`upload_packed`)
 
@@ -44,9 +44,14 @@ class HostBatch:
     seq_lens_list: list[int]
 
 
-def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor]) -> HostBatch:
+def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
+                     decode: DecodeBatch | None = None) -> HostBatch:
     """block_tables[g] is the [B, W] int32 table of KV group g, row i request i's
-    (padded with the null block; `KVCacheManager.block_tables`, `pad_tables`)."""
+    (padded with the null block; `KVCacheManager.block_tables`, `pad_tables`).
+    `decode`: the rows' arrays from the scheduler's bulk decode path, if it
+    scheduled them all (`SchedulerOutput.decode`)."""
+    if decode is not None:
+        return _decode_host_batch(scheduled, block_tables, decode)
     num_seqs = len(scheduled)
     query_lens = [s.num_new_tokens for s in scheduled]
     starts_np = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -72,6 +77,23 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch
                      seq_lens_np.tolist())
 
 
+def _decode_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
+                       decode: DecodeBatch) -> HostBatch:
+    """`build_host_batch` of a bulk decode step from its arrays: one token per
+    row, PENDING_TOKEN for all of them in the pipelined steady state (each
+    row's token is the one its last step sampled, still on the device)."""
+    num_seqs, starts = len(scheduled), decode.starts
+    if (starts >= decode.num_known).all():
+        tokens = np.full(num_seqs, PENDING_TOKEN, dtype=np.int64)
+    else:
+        tokens = np.array(_decode_tokens(scheduled), dtype=np.int64)
+    seq_lens = starts + 1
+    return HostBatch(torch.from_numpy(tokens), torch.from_numpy(starts.copy()),
+                     torch.arange(num_seqs + 1, dtype=torch.int32),
+                     torch.from_numpy(seq_lens.astype(np.int32)), block_tables, torch.arange(num_seqs),
+                     [1] * num_seqs, seq_lens.tolist())
+
+
 def _decode_tokens(scheduled: list[ScheduledRequest]) -> list[int]:
     """Each decode row's one token: a prompt or output token, or PENDING_TOKEN
     while it is still on the device (the pipelined steady state). One loop
@@ -91,12 +113,16 @@ def _decode_tokens(scheduled: list[ScheduledRequest]) -> list[int]:
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
-                   block_size: int, device: torch.device) -> ModelInputs:
-    return to_model_inputs(build_host_batch(scheduled, block_tables), scheduled, block_size, device)
+                   block_size: int, device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
+    host = build_host_batch(scheduled, block_tables, decode)
+    return to_model_inputs(host, scheduled, block_size, device, decode)
 
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
-                    device: torch.device) -> ModelInputs:
+                    device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
+    """`decode` (the scheduler's bulk decode rows) says every row samples."""
+    if decode is not None:
+        return inputs_for_rows(host, range(len(scheduled)), list(scheduled), block_size, device)
     rows = _completing_rows(scheduled, host.seq_lens_list)
     return inputs_for_rows(host, rows, [scheduled[i] for i in rows], block_size, device)
 
