@@ -98,7 +98,6 @@ class DecodeBatch:
     request_ids: list[str]
     starts: np.ndarray        # int64: each row's start_pos
     num_known: np.ndarray     # int64: prompt + output tokens (ids on the host)
-    num_prompt: np.ndarray    # int64: prompt tokens
 
 
 @dataclass
@@ -406,21 +405,11 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed tokens for what the forward pass just wrote."""
-        if out.decode is not None:
-            self._update_decodes(out.scheduled, out.decode)
-            return
         for item in out.scheduled:
             request, start = item.request, item.start_pos
             request.num_computed_tokens = start + item.num_new_tokens
             if start < len(request.prompt_token_ids):  # a prompt chunk is an event; decode steps are too many
                 request.record_event("prefill", item.num_new_tokens)
-
-    def _update_decodes(self, scheduled: list[ScheduledRequest], decode: DecodeBatch) -> None:
-        """`update_after_step` for a bulk decode step: each row advances one token."""
-        for request, end in zip(map(_request, scheduled), (decode.starts + 1).tolist()):
-            request.num_computed_tokens = end
-        for i in np.flatnonzero(decode.starts < decode.num_prompt).tolist():  # a prompt's last token
-            scheduled[i].request.record_event("prefill", 1)
 
     def remove_finished(self, request: Request, status: RequestStatus) -> None:
         """Finish a request wherever it is: with pipelined steps, a stop can land
@@ -446,7 +435,6 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
 BULK_DECODE_MIN = 8
 
 _request_id = attrgetter("request_id")
-_request = attrgetter("request")
 _new_row = partial(tuple.__new__, ScheduledRequest)  # ScheduledRequest._make without its Python frame
 
 
@@ -463,8 +451,7 @@ class _DecodeColumns:
         self.computed = np.fromiter(map(_computed, running), np.int64, n)
         # Not can_grow: such a request's last token is in flight (`_schedule_each`).
         self.grows = num_output + pending < np.fromiter(map(_max_tokens, running), np.int64, n)
-        self.num_prompt = np.fromiter(map(len, map(_prompt, running)), np.int64, n)
-        self.num_known = self.num_prompt + num_output
+        self.num_known = np.fromiter(map(len, map(_prompt, running)), np.int64, n) + num_output
         num_new = self.num_known + pending - self.computed
         self.all_grow = bool(self.grows.all())
         self.is_decode = bool((num_new == 1).all() if self.all_grow else (num_new[self.grows] == 1).all())
@@ -490,7 +477,7 @@ class _DecodeColumns:
     def batch(self, request_ids: list[str]) -> DecodeBatch:
         """The first len(request_ids) growing requests' rows."""
         count = len(request_ids)
-        columns = (self.computed, self.num_known, self.num_prompt)
+        columns = (self.computed, self.num_known)
         if not self.all_grow:
             columns = tuple(c[self.grows] for c in columns)
         return DecodeBatch(request_ids, *(c[:count] for c in columns))
