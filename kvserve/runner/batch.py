@@ -8,6 +8,7 @@ transfers, one per dtype, packed, pinned and non-blocking.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,8 +122,9 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.T
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
                     device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
     """`decode` (the scheduler's bulk decode rows) says every row samples."""
-    if decode is not None:
-        return inputs_for_rows(host, range(len(scheduled)), list(scheduled), block_size, device)
+    if decode is not None:  # each row's one token is its logits row
+        return inputs_for_rows(host, range(len(scheduled)), list(scheduled), block_size, device,
+                               torch.arange(len(scheduled)))
     rows = _completing_rows(scheduled, host.seq_lens_list)
     return inputs_for_rows(host, rows, [scheduled[i] for i in rows], block_size, device)
 
@@ -134,13 +136,16 @@ def _completing_rows(scheduled: list[ScheduledRequest], seq_lens: list[int]) -> 
             if end == len((r := s.request).prompt_token_ids) + len(r.output_token_ids) + r.num_pending_tokens]
 
 
-def inputs_for_rows(host: HostBatch, rows: list[int], sampling_rows: list[ScheduledRequest],
-                    block_size: int, device: torch.device) -> ModelInputs:
+def inputs_for_rows(host: HostBatch, rows: Sequence[int], sampling_rows: list[ScheduledRequest],
+                    block_size: int, device: torch.device,
+                    logits_indices: torch.Tensor | None = None) -> ModelInputs:
     """Device inputs whose logits rows are those of sequences `rows` (a
-    tensor-parallel worker, which samples nothing, passes none). Two transfers
-    in all, one per dtype (`upload_packed`); slot mappings are computed here."""
-    last = host.query_start_loc[1:].long() - 1
-    logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
+    tensor-parallel worker, which samples nothing, passes none), at
+    `logits_indices` when the caller knows them. Two transfers in all, one
+    per dtype (`upload_packed`); slot mappings are computed here."""
+    if logits_indices is None:
+        last = host.query_start_loc[1:].long() - 1
+        logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
     slots = [slot_mapping(t, host.seq_idx, host.positions, block_size) for t in host.block_tables]
     input_ids, positions, logits_indices, *slots = upload_packed(
         [host.input_ids, host.positions, logits_indices, *slots], device)
