@@ -58,8 +58,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import compress, repeat
-from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -75,8 +73,8 @@ PREFIX_WINDOW = 128
 
 class ScheduledRequest(NamedTuple):
     """One row of a step. A named tuple, not a dataclass: a decode step builds
-    one per running request, and a steady decode step builds them all with
-    one C-level `map` (`_schedule_decodes`), no Python __init__ per row."""
+    one per running request (`_new_row`: no Python __init__ per row), and its
+    fields read in C."""
 
     request: Request
     num_new_tokens: int
@@ -91,19 +89,24 @@ class ScheduledRequest(NamedTuple):
 
 @dataclass
 class DecodeBatch:
-    """What the bulk decode path (`Scheduler._schedule_decodes`) knows of a
-    step's rows, as arrays: set only when it scheduled every row, so each row
-    computes one token at `starts[i]` and samples (`completes_sequence`)."""
+    """A step's rows as arrays, when each computes its one last token (steady
+    decode: it then samples, `completes_sequence`). Set by the scheduler
+    only when it describes every row of the step."""
 
-    request_ids: list[str]
-    starts: np.ndarray        # int64: each row's start_pos
-    num_known: np.ndarray     # int64: prompt + output tokens (ids on the host)
+    starts: np.ndarray    # int64: each row's start_pos
+    # Every row's token was sampled by the step in flight and is not on the
+    # host yet (pipelined decode): the batch's ids are all PENDING_TOKEN.
+    on_device: bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.starts)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Every row's decode state as arrays, when the bulk decode path scheduled them all.
+    # Every row as arrays, when each computes its one last token (steady decode).
     decode: DecodeBatch | None = None
     preempted: list[Request] = field(default_factory=list)
     # Must run before this step's forward (even if nothing is scheduled).
@@ -205,8 +208,8 @@ class Scheduler:
         deferred = False
         if len(out.preempted) == rotated:  # nobody was preempted for lack of blocks
             deferred = self._schedule_waiting(out, budget)
-        if out.decode is not None and len(out.decode.request_ids) != len(out.scheduled):
-            out.decode = None  # admissions joined the bulk rows
+        if out.decode is not None and out.decode.num_rows != len(out.scheduled):
+            out.decode = None  # admissions joined the decode rows
         if deferred:
             out.kv_prefetch = self.kv_cache.take_pending_copies()
         else:
@@ -214,52 +217,32 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        left = self._schedule_decodes(out, budget)
-        return left if left is not None else self._schedule_each(out, budget)
-
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int | None:
-        """`_schedule_each` for a steady decode step, in bulk: every running
-        request that can grow computes one token, and the budget covers them
-        all. Rows whose end only moves inside its tail block (most) move
-        together (`move_ends_within_tails`); the rest allocate one by one, in
-        order, preempting as `_schedule_each` does. Returns the budget left,
-        or None, having changed nothing, for any other step."""
-        running = self.running
-        if len(running) < BULK_DECODE_MIN:
-            return None
-        columns = _DecodeColumns(running)
-        if not columns.is_decode or columns.num_growing > budget:
-            return None
-        request_ids = columns.growing(_request_id)
-        moved = self.kv_cache.move_ends_within_tails(request_ids, columns.ends)
-        for i in columns.growing_rows(~moved):  # a block to open, a tail filling up
-            if i >= len(running):
-                break  # preempted by an earlier row's allocation
-            request = running[i]
-            if not self.kv_cache.allocate_slots(request, 1) and not self._preempt_until_fits(request, 1, out):
-                break  # `request` itself was preempted; everything after it too.
-        rows = columns.rows_before(len(running))
-        decode = columns.batch(request_ids[:len(rows)])
-        out.scheduled.extend(map(_new_row, zip(rows, repeat(1), decode.starts.tolist())))
-        out.decode = decode if rows else None
-        return budget - len(rows)
-
-    def _schedule_each(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests in order, each up to its known tokens. A step whose
+        rows all compute their one last token (steady decode) also gets them
+        as arrays (`SchedulerOutput.decode`), collected here where each row is
+        read anyway: the batch is then built without walking the rows again."""
         i, scheduled, running, allocate = 0, out.scheduled, self.running, self.kv_cache.allocate_slots
+        starts, decode, on_device = [], True, True
         while i < len(running) and budget > 0:  # hot loop: Request's properties inlined
             request = running[i]
             i += 1
-            sampled = len(request.output_token_ids) + request.num_pending_tokens
-            if sampled >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
+            num_output, pending = len(request.output_token_ids), request.num_pending_tokens
+            if num_output + pending >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
                 continue
-            start = request.num_computed_tokens
-            num_new = len(request.prompt_token_ids) + sampled - start
+            start, num_known = request.num_computed_tokens, len(request.prompt_token_ids) + num_output
+            num_new = num_known + pending - start
             if num_new > budget:
                 num_new = budget
             if not allocate(request, num_new) and not self._preempt_until_fits(request, num_new, out):
                 break  # `request` itself was preempted; everything after it too.
-            scheduled.append(ScheduledRequest(request, num_new, start))
+            scheduled.append(_new_row((request, num_new, start)))
+            starts.append(start)
+            # Its one last token (capped rows compute fewer than they have left).
+            decode = decode and num_new == 1 == num_known + pending - start
+            on_device = on_device and start >= num_known
             budget -= num_new
+        if decode and starts:
+            out.decode = DecodeBatch(np.array(starts, dtype=np.int64), on_device)
         return budget
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -430,61 +413,6 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
     return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)
 
 
-# Fewer running requests than this are scheduled one by one: the bulk decode
-# path's array passes cost more than they save.
-BULK_DECODE_MIN = 8
 
-_request_id = attrgetter("request_id")
-_new_row = partial(tuple.__new__, ScheduledRequest)  # ScheduledRequest._make without its Python frame
-
-
-class _DecodeColumns:
-    """The running requests' decode state as arrays, read with C-level passes
-    (`map` of attribute getters; no Python frame per request): what
-    `_schedule_each` reads from each request, for `_schedule_decodes`."""
-
-    def __init__(self, running: list[Request]) -> None:
-        n = len(running)
-        self.running = running
-        num_output = np.fromiter(map(len, map(_output, running)), np.int64, n)
-        pending = np.fromiter(map(_pending, running), np.int64, n)
-        self.computed = np.fromiter(map(_computed, running), np.int64, n)
-        # Not can_grow: such a request's last token is in flight (`_schedule_each`).
-        self.grows = num_output + pending < np.fromiter(map(_max_tokens, running), np.int64, n)
-        self.num_known = np.fromiter(map(len, map(_prompt, running)), np.int64, n) + num_output
-        num_new = self.num_known + pending - self.computed
-        self.all_grow = bool(self.grows.all())
-        self.is_decode = bool((num_new == 1).all() if self.all_grow else (num_new[self.grows] == 1).all())
-        self.num_growing = n if self.all_grow else int(self.grows.sum())
-        self.ends = self.computed + 1 if self.all_grow else self.computed[self.grows] + 1
-
-    def growing(self, getter) -> list:
-        """`getter` of each request that grows, in order."""
-        values = map(getter, self.running)
-        return list(values) if self.all_grow else list(compress(values, self.grows.tolist()))
-
-    def growing_rows(self, among: np.ndarray) -> list[int]:
-        """Running indices of the growing requests selected by `among` (a mask over them)."""
-        rows = np.flatnonzero(self.grows)
-        return (rows[among] if not self.all_grow else np.flatnonzero(among)).tolist()
-
-    def rows_before(self, stop: int) -> list[Request]:
-        """The growing requests among running[:stop], in order."""
-        if self.all_grow:
-            return self.running[:stop]
-        return list(compress(self.running[:stop], self.grows[:stop].tolist()))
-
-    def batch(self, request_ids: list[str]) -> DecodeBatch:
-        """The first len(request_ids) growing requests' rows."""
-        count = len(request_ids)
-        columns = (self.computed, self.num_known)
-        if not self.all_grow:
-            columns = tuple(c[self.grows] for c in columns)
-        return DecodeBatch(request_ids, *(c[:count] for c in columns))
-
-
-_output = attrgetter("output_token_ids")
-_prompt = attrgetter("prompt_token_ids")
-_pending = attrgetter("num_pending_tokens")
-_computed = attrgetter("num_computed_tokens")
-_max_tokens = attrgetter("sampling_params.max_tokens")
+# ScheduledRequest._make without its Python frame: the decode loop builds one per running request.
+_new_row = partial(tuple.__new__, ScheduledRequest)

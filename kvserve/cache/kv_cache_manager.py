@@ -39,11 +39,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from kvserve.cache import groups as layout
 from kvserve.cache.block_fill import HeldTables
@@ -58,10 +54,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.request import Request
-
-# A room's fields (`KVCacheManager._set_room`), and the room of a request that has none.
-_first, _last, _tails = itemgetter(0), itemgetter(1), itemgetter(2)
-_NO_ROOM = (1, 0, (), 0)
 
 
 @dataclass
@@ -360,26 +352,6 @@ class KVCacheManager:
             if self.enable_prefix_caching and request.num_known_tokens >= total:
                 self._cache_full_blocks(request, total)
         return True
-
-    def move_ends_within_tails(self, request_ids: list[str], ends: np.ndarray) -> np.ndarray:
-        """`allocate_slots(request, n)` for a batch of requests holding blocks,
-        where each new end (`ends[i]`: num_computed_tokens + n) lies strictly
-        inside its room (`_set_room`): there is nothing to do but move the ends
-        and the fill total, done here in C-level passes over the batch (a steady
-        decode step, `Scheduler._schedule_decodes`). Returns which rows moved;
-        the others changed nothing and need `allocate_slots` (a block to open,
-        a tail that fills up, no room)."""
-        rooms = list(map(self._room.get, request_ids, repeat(_NO_ROOM)))
-        inside = (np.fromiter(map(_first, rooms), np.int64, len(rooms)) <= ends) \
-            & (ends < np.fromiter(map(_last, rooms), np.int64, len(rooms)))
-        moved = inside.tolist()
-        ids, rooms = list(compress(request_ids, moved)), list(compress(rooms, moved))
-        new_ends = ends[inside]
-        old_ends = np.fromiter(map(self._num_tokens.__getitem__, ids), np.int64, len(ids))
-        num_tails = np.fromiter(map(len, map(_tails, rooms)), np.int64, len(ids))
-        self._held.fill.used_slots += int(((new_ends - old_ends) * num_tails).sum())
-        self._num_tokens.update(zip(ids, new_ends.tolist()))
-        return inside
 
     def _open_next_block(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
         """The general path's work, done directly, for the one token that opens

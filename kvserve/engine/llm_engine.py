@@ -136,8 +136,7 @@ class LLMEngine:
             self._start_write_backs()
             return touched
         start = time.monotonic()
-        request_ids = out.decode.request_ids if out.decode is not None else list(map(_request_id, out.scheduled))
-        tables = self.kv_cache.block_tables(request_ids)
+        tables = self.kv_cache.block_tables(list(map(_request_id, out.scheduled)))
         try:
             launched = self.runner.launch(out, tables, self._in_flight, self.prompt_logprobs)
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step
@@ -369,7 +368,7 @@ class EngineStats:
         self.num_steps += 1
         self.step_time_s += seconds
         # One pass over the batch: a step with any chunk of > 1 token counts as prefill time.
-        # A bulk decode step (`out.decode`) has none.
+        # A decode step (`out.decode`) has none.
         prompt_tokens = 0 if out.decode is not None else sum(
             [n for s in out.scheduled if (n := s.num_new_tokens) > 1])
         self.last_prompt_tokens = prompt_tokens

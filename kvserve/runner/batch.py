@@ -49,8 +49,8 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch
                      decode: DecodeBatch | None = None) -> HostBatch:
     """block_tables[g] is the [B, W] int32 table of KV group g, row i request i's
     (padded with the null block; `KVCacheManager.block_tables`, `pad_tables`).
-    `decode`: the rows' arrays from the scheduler's bulk decode path, if it
-    scheduled them all (`SchedulerOutput.decode`)."""
+    `decode`: the rows as arrays when each computes its one last token
+    (`SchedulerOutput.decode`)."""
     if decode is not None:
         return _decode_host_batch(scheduled, block_tables, decode)
     num_seqs = len(scheduled)
@@ -80,11 +80,11 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch
 
 def _decode_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
                        decode: DecodeBatch) -> HostBatch:
-    """`build_host_batch` of a bulk decode step from its arrays: one token per
+    """`build_host_batch` of a decode step from its arrays: one token per
     row, PENDING_TOKEN for all of them in the pipelined steady state (each
     row's token is the one its last step sampled, still on the device)."""
     num_seqs, starts = len(scheduled), decode.starts
-    if (starts >= decode.num_known).all():
+    if decode.on_device:
         tokens = np.full(num_seqs, PENDING_TOKEN, dtype=np.int64)
     else:
         tokens = np.array(_decode_tokens(scheduled), dtype=np.int64)
@@ -121,7 +121,7 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.T
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
                     device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
-    """`decode` (the scheduler's bulk decode rows) says every row samples."""
+    """`decode` (`SchedulerOutput.decode`) says every row samples."""
     if decode is not None:  # each row's one token is its logits row
         return inputs_for_rows(host, range(len(scheduled)), list(scheduled), block_size, device,
                                torch.arange(len(scheduled)))

@@ -1,10 +1,9 @@
-"""The scheduler's bulk decode path (`Scheduler._schedule_decodes`, with the
-KV cache manager's `move_ends_within_tails`) against the per-request loop it
-replaces (`_schedule_each`): random pipelined walks, run once with each path
-from the same seed, must schedule, preempt, swap, cache and count the same,
-step by step. Where the bulk path scheduled every row, the step's batch
-built from its arrays (`SchedulerOutput.decode`) must equal the one built
-row by row."""
+"""A decode step's rows as arrays (`SchedulerOutput.decode`) against the
+rows they stand for: random pipelined walks through the real scheduler and
+KV cache (preemption, swaps, prefix hits, budget caps, unpipelined steps).
+Whenever the scheduler sets them they must describe every row, and the batch
+built from them must equal the one built row by row; in steady decode it
+must set them."""
 from __future__ import annotations
 
 import random
@@ -12,7 +11,6 @@ import random
 import pytest
 import torch
 
-from kvserve import scheduler as scheduler_module
 from kvserve.cache.groups import make_kv_cache_groups
 from kvserve.cache.host_tier import HostTier
 from kvserve.cache.kv_cache_manager import KVCacheManager
@@ -32,31 +30,31 @@ def _scheduler(rng: random.Random, num_blocks: int, host_blocks: int, budget: in
     return Scheduler(config, kv, PreemptionCosts(mode=rng.choice(["auto", "swap", "recompute"])))
 
 
-def _walk(seed: int, bulk: bool, monkeypatch: pytest.MonkeyPatch) -> list:
-    """Trace of a pipelined walk: the engine's order (schedule, update, mark the
-    sampling rows pending, then resolve the step before: append, finish)."""
-    monkeypatch.setattr(scheduler_module, "BULK_DECODE_MIN", 1 if bulk else 10 ** 9)
+def _walk(seed: int) -> int:
+    """A pipelined walk in the engine's order (schedule, update, mark the
+    sampling rows pending, then resolve the step before: append, finish).
+    Returns how many steps had decode arrays."""
     rng = random.Random(seed)
     s = _scheduler(rng, rng.choice([40, 60, 200]), rng.choice([0, 0, 64]), rng.choice([6, 16, 64, 512]))
-    kv, shared, trace, in_flight = s.kv_cache, [rng.randrange(50) for _ in range(12)], [], []
+    kv, shared, in_flight, num_decode = s.kv_cache, [rng.randrange(50) for _ in range(12)], [], 0
     for number in range(rng.randint(60, 160)):
         if rng.random() < 0.3:
             prompt = (shared[:rng.randint(0, 12)] + [rng.randrange(50) for _ in range(rng.randint(1, 20))])
             s.add_request(Request(f"r{number}", prompt, SamplingParams(max_tokens=rng.randint(1, 30))))
+        running = set(map(id, s.running))
         out = s.schedule()
-        if out.decode is not None:
-            _check_decode_batch(out, kv)
-        copies = kv.take_pending_copies()
+        _check_decode_batch(out, kv, admitted=any(id(i.request) not in running for i in out.scheduled))
+        num_decode += out.decode is not None
+        kv.take_pending_copies()
         s.update_after_step(out)
         launched = [item.request for item in out.scheduled if item.completes_sequence]
         for request in launched:
             request.num_pending_tokens += 1
-        trace.append(_state(s, out, copies))
         for request in in_flight:
             _resolve(s, request, rng.randrange(50))
         in_flight = launched if rng.random() < 0.9 else _resolve_all(s, launched, rng)
         kv.check_integrity()
-    return trace
+    return num_decode
 
 
 def _resolve(s: Scheduler, request: Request, token: int) -> None:
@@ -75,26 +73,19 @@ def _resolve_all(s: Scheduler, launched: list[Request], rng: random.Random) -> l
     return []
 
 
-def _state(s: Scheduler, out, copies) -> tuple:
-    kv = s.kv_cache
-    ids = sorted(kv._num_tokens)
-    events = [(r.request_id, [e[1:] for e in r.events]) for r in s.running]
-    return (events, [(i.request.request_id, i.num_new_tokens, i.start_pos) for i in out.scheduled],
-            [r.request_id for r in out.preempted], [r.request_id for r in s.running],
-            [r.request_id for r in s.waiting], kv.num_free_blocks, kv.fragmentation(),
-            kv.prefix_cache_hits, kv.num_evictions, s.num_swap_preemptions, str(copies),
-            [(i, kv._num_tokens[i], kv.get_block_ids(i)) for i in ids])
-
-
-def _check_decode_batch(out, kv: KVCacheManager) -> None:
-    """The bulk rows' arrays describe every row, and the batch built from them
-    equals the one built row by row (before `update_after_step`)."""
+def _check_decode_batch(out, kv: KVCacheManager, admitted: bool = False) -> None:
+    """Set when every row computes its one last token (before
+    `update_after_step`), unless a row was admitted this step (the arrays
+    come from the running requests' loop); then its arrays describe every
+    row, and the batch built from them equals the one built row by row."""
     rows, decode = out.scheduled, out.decode
-    assert decode.request_ids == [i.request.request_id for i in rows]
-    assert decode.starts.tolist() == [i.start_pos for i in rows]
-    assert decode.num_known.tolist() == [i.request.num_known_tokens for i in rows]
-    assert all(i.num_new_tokens == 1 and i.completes_sequence for i in rows)
-    tables = kv.block_tables(decode.request_ids)
+    is_decode = bool(rows) and all(i.num_new_tokens == 1 and i.completes_sequence for i in rows)
+    assert (decode is not None) == (is_decode and not admitted)
+    if decode is None:
+        return
+    assert decode.num_rows == len(rows) and decode.starts.tolist() == [i.start_pos for i in rows]
+    assert decode.on_device == all(i.start_pos >= i.request.num_known_tokens for i in rows)
+    tables = kv.block_tables([i.request.request_id for i in rows])
     fast = prepare_inputs(rows, tables, 4, torch.device("cpu"), decode)
     slow = prepare_inputs(rows, tables, 4, torch.device("cpu"))
     assert fast.sampling_rows == slow.sampling_rows
@@ -108,42 +99,28 @@ def _check_decode_batch(out, kv: KVCacheManager) -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_bulk_decode_path_matches_the_per_request_loop(seed, monkeypatch):
-    assert _walk(seed, True, monkeypatch) == _walk(seed, False, monkeypatch)
+def test_decode_arrays_describe_the_rows(seed):
+    _walk(seed)
 
 
-def test_bulk_decode_path_runs_in_steady_decode(monkeypatch):
-    """The walks above do take the bulk path (it is not always declined)."""
-    calls = []
-    bulk = Scheduler._schedule_decodes
-
-    def counted(self, out, budget):
-        left = bulk(self, out, budget)
-        calls.append(left is not None)
-        return left
-    monkeypatch.setattr(Scheduler, "_schedule_decodes", counted)
-    _walk(1, True, monkeypatch)
-    assert sum(calls) > 10
+def test_steady_decode_gets_arrays():
+    """The walks above do check some (the arrays are not simply never set)."""
+    assert sum(_walk(seed) for seed in range(4)) > 40
 
 
-def _decode_rows_over_budget(bulk: bool, monkeypatch: pytest.MonkeyPatch) -> list:
-    monkeypatch.setattr(scheduler_module, "BULK_DECODE_MIN", 1 if bulk else 10 ** 9)
+def test_decode_rows_over_the_budget():
+    """More decoding requests than budget: the first ones run, as decode rows."""
     kv = KVCacheManager(make_kv_cache_groups([FullAttentionSpec()]), 200, 4)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512), kv)
     for i in range(12):
         s.add_request(Request(f"r{i}", [i + 1] * (3 + i), SamplingParams(max_tokens=20)))
     s.update_after_step(s.schedule())  # every prompt in one step, under the budget
     s.config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16, max_model_len=512)
-    trace = []
     for _ in range(4):
         for r in s.running:
             r.output_token_ids.append(5)
         out = s.schedule()
+        assert [i.request.request_id for i in out.scheduled] == [f"r{i}" for i in range(8)]
+        _check_decode_batch(out, kv)
+        assert out.decode is not None and not out.decode.on_device
         s.update_after_step(out)
-        trace.append(_state(s, out, None))
-    return trace
-
-
-def test_decode_rows_over_the_budget(monkeypatch):
-    """More decoding requests than budget: the first ones run, in order."""
-    assert _decode_rows_over_budget(True, monkeypatch) == _decode_rows_over_budget(False, monkeypatch)
