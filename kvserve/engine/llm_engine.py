@@ -25,6 +25,7 @@ from kvserve.runner.sampler import RequestFailed, SamplerOutput
 logger = logging.getLogger(__name__)
 
 _request_id = attrgetter("request.request_id")  # of a scheduled row
+_num_computed = attrgetter("num_computed_tokens")
 
 # Steps in a row that may fail without a culprit before the engine gives up
 # (the error is then raised to the caller: the engine cannot serve).
@@ -338,7 +339,7 @@ class LLMEngine:
     def _group_metrics(self) -> dict[str, Any]:
         """Blocks per KV group, and KV bytes per token of context held by running requests."""
         groups = self.kv_cache.group_blocks()
-        tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
+        tokens = sum(map(_num_computed, self.scheduler.running))  # C-level: after every step
         held_bytes = sum(groups.values()) * self.runner.layout.bytes_per_block
         return {"kv_cache_group_blocks": groups, "kv_bytes_per_token": held_bytes / tokens if tokens else 0.0}
 
