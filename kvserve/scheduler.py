@@ -57,6 +57,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
+
+import numpy as np
 
 from kvserve.cache.host_tier import CopyBatch
 from kvserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
@@ -67,8 +71,11 @@ from kvserve.request import Request, RequestStatus
 PREFIX_WINDOW = 128
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
+    """One row of a step. A named tuple, not a dataclass: a decode step builds
+    one per running request (`_new_row`: no Python __init__ per row), and its
+    fields read in C."""
+
     request: Request
     num_new_tokens: int
     # num_computed_tokens before this step: the batch's first position.
@@ -81,8 +88,26 @@ class ScheduledRequest:
 
 
 @dataclass
+class DecodeBatch:
+    """A step's rows as arrays, when each computes its one last token (steady
+    decode: it then samples, `completes_sequence`). Set by the scheduler
+    only when it describes every row of the step."""
+
+    starts: np.ndarray    # int64: each row's start_pos
+    # Every row's token was sampled by the step in flight and is not on the
+    # host yet (pipelined decode): the batch's ids are all PENDING_TOKEN.
+    on_device: bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.starts)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Every row as arrays, when each computes its one last token (steady decode).
+    decode: DecodeBatch | None = None
     preempted: list[Request] = field(default_factory=list)
     # Must run before this step's forward (even if nothing is scheduled).
     kv_copies: CopyBatch = field(default_factory=CopyBatch)
@@ -183,6 +208,8 @@ class Scheduler:
         deferred = False
         if len(out.preempted) == rotated:  # nobody was preempted for lack of blocks
             deferred = self._schedule_waiting(out, budget)
+        if out.decode is not None and out.decode.num_rows != len(out.scheduled):
+            out.decode = None  # admissions joined the decode rows
         if deferred:
             out.kv_prefetch = self.kv_cache.take_pending_copies()
         else:
@@ -190,21 +217,32 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests in order, each up to its known tokens. A step whose
+        rows all compute their one last token (steady decode) also gets them
+        as arrays (`SchedulerOutput.decode`), collected here where each row is
+        read anyway: the batch is then built without walking the rows again."""
         i, scheduled, running, allocate = 0, out.scheduled, self.running, self.kv_cache.allocate_slots
+        starts, decode, on_device = [], True, True
         while i < len(running) and budget > 0:  # hot loop: Request's properties inlined
             request = running[i]
             i += 1
-            sampled = len(request.output_token_ids) + request.num_pending_tokens
-            if sampled >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
+            num_output, pending = len(request.output_token_ids), request.num_pending_tokens
+            if num_output + pending >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
                 continue
-            start = request.num_computed_tokens
-            num_new = len(request.prompt_token_ids) + sampled - start
+            start, num_known = request.num_computed_tokens, len(request.prompt_token_ids) + num_output
+            num_new = num_known + pending - start
             if num_new > budget:
                 num_new = budget
             if not allocate(request, num_new) and not self._preempt_until_fits(request, num_new, out):
                 break  # `request` itself was preempted; everything after it too.
-            scheduled.append(ScheduledRequest(request, num_new, start))
+            scheduled.append(_new_row((request, num_new, start)))
+            starts.append(start)
+            # Its one last token (capped rows compute fewer than they have left).
+            decode = decode and num_new == 1 == num_known + pending - start
+            on_device = on_device and start >= num_known
             budget -= num_new
+        if decode and starts:
+            out.decode = DecodeBatch(np.array(starts, dtype=np.int64), on_device)
         return budget
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -373,3 +411,8 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
     if request.sampling_params.prompt_logprobs is None or computed.is_swap_in:
         return False
     return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)
+
+
+
+# ScheduledRequest._make without its Python frame: the decode loop builds one per running request.
+_new_row = partial(tuple.__new__, ScheduledRequest)

@@ -49,6 +49,15 @@ class BlockFill:
         if fill > old:
             self.used_slots += fill - old
 
+    def add_sole(self, block_id: int, fill: int) -> dict[int, int]:
+        """`add` for a block nobody holds yet (fresh from the pool); returns its counters."""
+        if block_id in self._fills:
+            raise RuntimeError(f"block {block_id} is held already")
+        fills = self._fills[block_id] = {fill: 1}
+        self.num_held += 1
+        self.used_slots += fill
+        return fills
+
     def remove(self, block_id: int, fill: int) -> None:
         fills = self._fills.get(block_id)
         if fills is None or fill not in fills:
@@ -169,9 +178,8 @@ class HeldTables:
         fill, tails = self.fill, []
         for group, (table, block) in enumerate(zip(self._ids[request_id], blocks)):
             table.append(block.block_id)
-            fill.add(block.block_id, 1)
+            tails.append(fill.add_sole(block.block_id, 1))
             self.rows.append(request_id, group, index, [block.block_id])
-            tails.append(fill._fills[block.block_id])
         return tails
 
     def forget(self, request_id: str, end: int) -> None:

@@ -69,8 +69,7 @@ class BlockTableRows:
     def gather(self, request_ids: list[str]) -> list[torch.Tensor]:
         """Per group, the requests' tables as one [len(request_ids), W] int32
         tensor (a copy), W the longest of them (at least 1)."""
-        row_of = self._row_of
-        rows = np.fromiter((row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+        rows = np.fromiter(map(self._row_of.__getitem__, request_ids), dtype=np.int64, count=len(request_ids))
         out = []
         for table, lengths in zip(self._tables, self._lengths):
             width = max(int(lengths[rows].max(initial=0)), 1)

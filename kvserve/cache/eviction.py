@@ -64,7 +64,7 @@ class ReuseAwareQueue:
 
     def popleft(self) -> KVBlock:
         for queue in self._order:
-            if queue:
+            if queue._len:  # not len(queue): a Python call per list, once per block allocated
                 block = queue.popleft()
                 block.free_list = None
                 return block

@@ -464,9 +464,9 @@ class KVCacheManager:
                                      "before allocate_slots for the same request")
 
     def _cache_full_blocks(self, request: Request, total: int) -> None:
-        num_known = min(total, request.num_known_tokens)
-        pending = [m for m in self.managers
-                   if m.num_cached_blocks.get(request.request_id, 0) < num_known // self.block_size]
+        num_known = min(total, len(request.prompt_token_ids) + len(request.output_token_ids))
+        num_full, request_id = num_known // self.block_size, request.request_id
+        pending = [m for m in self.managers if m.num_cached_blocks.get(request_id, 0) < num_full]
         if not pending:
             return
         extend_block_hashes(request, self.block_size, self.extra_keys)

@@ -13,7 +13,7 @@ import abc
 
 from collections.abc import Sequence
 
-from kvserve.cache.block_pool import BlockContent, BlockPool, KVBlock
+from kvserve.cache.block_pool import NULL_BLOCK_ID, BlockContent, BlockPool, KVBlock
 from kvserve.cache.host_tier import HostBlockRef, HostTier
 from kvserve.cache.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
@@ -103,12 +103,12 @@ class SingleTypeManager(abc.ABC):
         """Register blocks full of known tokens within [0, num_tokens). NULL
         entries (a window's dropped blocks, a compressed group's slots where no
         window ends) hold nothing to cache."""
-        table = self.blocks(request_id)
+        table = self.req_to_blocks.get(request_id, ())
         start = self.num_cached_blocks.get(request_id, 0)
         end = min(num_tokens // self.block_size, len(block_hashes), len(table))
         for index in range(start, end):
             block = table[index]
-            if not block.is_null:
+            if block.block_id != NULL_BLOCK_ID:  # not block.is_null: once per block cached
                 content = block_content(block_hashes, token_ids, index, self.block_size)
                 self.pool.cache_block(block, self.group_id, block_hashes[index], content)
         self.num_cached_blocks[request_id] = max(start, end)

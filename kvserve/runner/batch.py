@@ -8,6 +8,7 @@ transfers, one per dtype, packed, pinned and non-blocking.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.request import PENDING_TOKEN
-from kvserve.scheduler import ScheduledRequest
+from kvserve.scheduler import DecodeBatch, ScheduledRequest
 
 ALIGN = 16   # elements: a packed part's start (`upload_packed`)
 
@@ -44,9 +45,14 @@ class HostBatch:
     seq_lens_list: list[int]
 
 
-def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor]) -> HostBatch:
+def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
+                     decode: DecodeBatch | None = None) -> HostBatch:
     """block_tables[g] is the [B, W] int32 table of KV group g, row i request i's
-    (padded with the null block; `KVCacheManager.block_tables`, `pad_tables`)."""
+    (padded with the null block; `KVCacheManager.block_tables`, `pad_tables`).
+    `decode`: the rows as arrays when each computes its one last token
+    (`SchedulerOutput.decode`)."""
+    if decode is not None:
+        return _decode_host_batch(scheduled, block_tables, decode)
     num_seqs = len(scheduled)
     query_lens = [s.num_new_tokens for s in scheduled]
     starts_np = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -72,6 +78,23 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch
                      seq_lens_np.tolist())
 
 
+def _decode_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
+                       decode: DecodeBatch) -> HostBatch:
+    """`build_host_batch` of a decode step from its arrays: one token per
+    row, PENDING_TOKEN for all of them in the pipelined steady state (each
+    row's token is the one its last step sampled, still on the device)."""
+    num_seqs, starts = len(scheduled), decode.starts
+    if decode.on_device:
+        tokens = np.full(num_seqs, PENDING_TOKEN, dtype=np.int64)
+    else:
+        tokens = np.array(_decode_tokens(scheduled), dtype=np.int64)
+    seq_lens = starts + 1
+    return HostBatch(torch.from_numpy(tokens), torch.from_numpy(starts.copy()),
+                     torch.arange(num_seqs + 1, dtype=torch.int32),
+                     torch.from_numpy(seq_lens.astype(np.int32)), block_tables, torch.arange(num_seqs),
+                     [1] * num_seqs, seq_lens.tolist())
+
+
 def _decode_tokens(scheduled: list[ScheduledRequest]) -> list[int]:
     """Each decode row's one token: a prompt or output token, or PENDING_TOKEN
     while it is still on the device (the pipelined steady state). One loop
@@ -91,12 +114,17 @@ def _decode_tokens(scheduled: list[ScheduledRequest]) -> list[int]:
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
-                   block_size: int, device: torch.device) -> ModelInputs:
-    return to_model_inputs(build_host_batch(scheduled, block_tables), scheduled, block_size, device)
+                   block_size: int, device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
+    host = build_host_batch(scheduled, block_tables, decode)
+    return to_model_inputs(host, scheduled, block_size, device, decode)
 
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
-                    device: torch.device) -> ModelInputs:
+                    device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
+    """`decode` (`SchedulerOutput.decode`) says every row samples."""
+    if decode is not None:  # each row's one token is its logits row
+        return inputs_for_rows(host, range(len(scheduled)), list(scheduled), block_size, device,
+                               torch.arange(len(scheduled)))
     rows = _completing_rows(scheduled, host.seq_lens_list)
     return inputs_for_rows(host, rows, [scheduled[i] for i in rows], block_size, device)
 
@@ -108,13 +136,16 @@ def _completing_rows(scheduled: list[ScheduledRequest], seq_lens: list[int]) -> 
             if end == len((r := s.request).prompt_token_ids) + len(r.output_token_ids) + r.num_pending_tokens]
 
 
-def inputs_for_rows(host: HostBatch, rows: list[int], sampling_rows: list[ScheduledRequest],
-                    block_size: int, device: torch.device) -> ModelInputs:
+def inputs_for_rows(host: HostBatch, rows: Sequence[int], sampling_rows: list[ScheduledRequest],
+                    block_size: int, device: torch.device,
+                    logits_indices: torch.Tensor | None = None) -> ModelInputs:
     """Device inputs whose logits rows are those of sequences `rows` (a
-    tensor-parallel worker, which samples nothing, passes none). Two transfers
-    in all, one per dtype (`upload_packed`); slot mappings are computed here."""
-    last = host.query_start_loc[1:].long() - 1
-    logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
+    tensor-parallel worker, which samples nothing, passes none), at
+    `logits_indices` when the caller knows them. Two transfers in all, one
+    per dtype (`upload_packed`); slot mappings are computed here."""
+    if logits_indices is None:
+        last = host.query_start_loc[1:].long() - 1
+        logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
     slots = [slot_mapping(t, host.seq_idx, host.positions, block_size) for t in host.block_tables]
     input_ids, positions, logits_indices, *slots = upload_packed(
         [host.input_ids, host.positions, logits_indices, *slots], device)

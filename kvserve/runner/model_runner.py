@@ -13,6 +13,7 @@ prefetch (`kv_prefetch`) so that it overlaps the forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter, is_
 
 import torch
 
@@ -127,7 +128,7 @@ class ModelRunner:
         if self.kv_transfer is not None:
             self.kv_transfer.wait_prefetched()  # the last step's load-ahead admissions run now
         self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
-        inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device)
+        inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device, out.decode)
         self._fill_pending(inputs, out, previous)
         if self.step_channel is not None:
             self.step_channel.publish(inputs)
@@ -137,8 +138,8 @@ class ModelRunner:
         if not inputs.sampling_rows:
             return InFlightStep([], None, prompt)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        params = [s.request.sampling_params for s in inputs.sampling_rows]
-        ids = [s.request.request_id for s in inputs.sampling_rows]
+        params = list(map(_sampling_params, inputs.sampling_rows))
+        ids = list(map(_request_id, inputs.sampling_rows))
         return InFlightStep(inputs.sampling_rows, self.sampler.sample(logits, params, ids), prompt)
 
     def execute(self, out: SchedulerOutput, block_tables: list[torch.Tensor]) -> StepResult:
@@ -176,7 +177,13 @@ class ModelRunner:
 
 def _same_requests(scheduled: list[ScheduledRequest], previous: list[ScheduledRequest]) -> bool:
     """Whether both lists hold the same requests in the same order."""
-    return len(scheduled) == len(previous) and all(a.request is b.request for a, b in zip(scheduled, previous))
+    return len(scheduled) == len(previous) and all(map(is_, map(_request, scheduled), map(_request, previous)))
+
+
+# Row getters for C-level passes over a step's rows (`map`: no Python frame per row).
+_request = attrgetter("request")
+_request_id = attrgetter("request.request_id")
+_sampling_params = attrgetter("request.sampling_params")
 
 
 class InFlightStep:
