@@ -413,6 +413,5 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
     return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)
 
 
-
 # ScheduledRequest._make without its Python frame: the decode loop builds one per running request.
 _new_row = partial(tuple.__new__, ScheduledRequest)
