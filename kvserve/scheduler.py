@@ -58,6 +58,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -415,3 +416,5 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
 
 # ScheduledRequest._make without its Python frame: the decode loop builds one per running request.
 _new_row = partial(tuple.__new__, ScheduledRequest)
+# A row's request id, for C-level passes over a step's rows (`map`: no Python frame per row).
+row_request_id = attrgetter("request.request_id")

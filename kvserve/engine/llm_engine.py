@@ -21,10 +21,10 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.runner.model_runner import InFlightStep, StepResult
 from kvserve.runner.prompt_logprobs import PromptLogprobs
 from kvserve.runner.sampler import RequestFailed, SamplerOutput
+from kvserve.scheduler import row_request_id
 
 logger = logging.getLogger(__name__)
 
-_request_id = attrgetter("request.request_id")  # of a scheduled row
 _num_computed = attrgetter("num_computed_tokens")
 
 # Steps in a row that may fail without a culprit before the engine gives up
@@ -137,7 +137,7 @@ class LLMEngine:
             self._start_write_backs()
             return touched
         start = time.monotonic()
-        tables = self.kv_cache.block_tables(list(map(_request_id, out.scheduled)))
+        tables = self.kv_cache.block_tables(list(map(row_request_id, out.scheduled)))
         try:
             launched = self.runner.launch(out, tables, self._in_flight, self.prompt_logprobs)
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step

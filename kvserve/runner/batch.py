@@ -57,22 +57,19 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: list[torch
     query_lens = [s.num_new_tokens for s in scheduled]
     starts_np = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=num_seqs)
     q_lens_np = np.array(query_lens, dtype=np.int64)
-    seq_lens_np = starts_np + q_lens_np
     if len(query_lens) == int(q_lens_np.sum()):  # decode-only: one token per sequence
-        tokens = np.array(_decode_tokens(scheduled), dtype=np.int64)
-        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
-        seq_idx, positions = torch.arange(num_seqs), torch.from_numpy(starts_np)
-    else:
-        tokens = np.array(list(itertools.chain.from_iterable(
-            s.request.token_ids_between(s.start_pos, s.start_pos + s.num_new_tokens) for s in scheduled)),
-            dtype=np.int64)
-        # numpy, not torch: torch's CPU repeat_interleave took 4.4 ms a mixed step in a
-        # served H200 run (its thread pool contending with the server's processes).
-        ends = np.cumsum(q_lens_np)
-        seq_idx_np = np.repeat(np.arange(num_seqs), q_lens_np)
-        positions_np = starts_np[seq_idx_np] + np.arange(len(tokens)) - (ends - q_lens_np)[seq_idx_np]
-        query_start_loc = torch.from_numpy(np.concatenate(([0], ends)).astype(np.int32))
-        seq_idx, positions = torch.from_numpy(seq_idx_np), torch.from_numpy(positions_np)
+        return _decode_host_batch(scheduled, block_tables, DecodeBatch(starts_np, on_device=False))
+    seq_lens_np = starts_np + q_lens_np
+    tokens = np.array(list(itertools.chain.from_iterable(
+        s.request.token_ids_between(s.start_pos, s.start_pos + s.num_new_tokens) for s in scheduled)),
+        dtype=np.int64)
+    # numpy, not torch: torch's CPU repeat_interleave took 4.4 ms a mixed step in a
+    # served H200 run (its thread pool contending with the server's processes).
+    ends = np.cumsum(q_lens_np)
+    seq_idx_np = np.repeat(np.arange(num_seqs), q_lens_np)
+    positions_np = starts_np[seq_idx_np] + np.arange(len(tokens)) - (ends - q_lens_np)[seq_idx_np]
+    query_start_loc = torch.from_numpy(np.concatenate(([0], ends)).astype(np.int32))
+    seq_idx, positions = torch.from_numpy(seq_idx_np), torch.from_numpy(positions_np)
     return HostBatch(torch.from_numpy(tokens), positions, query_start_loc,
                      torch.from_numpy(seq_lens_np.astype(np.int32)), block_tables, seq_idx, query_lens,
                      seq_lens_np.tolist())
@@ -82,7 +79,8 @@ def _decode_host_batch(scheduled: list[ScheduledRequest], block_tables: list[tor
                        decode: DecodeBatch) -> HostBatch:
     """`build_host_batch` of a decode step from its arrays: one token per
     row, PENDING_TOKEN for all of them in the pipelined steady state (each
-    row's token is the one its last step sampled, still on the device)."""
+    row's token is the one its last step sampled, still on the device), else
+    looked up per row."""
     num_seqs, starts = len(scheduled), decode.starts
     if decode.on_device:
         tokens = np.full(num_seqs, PENDING_TOKEN, dtype=np.int64)

@@ -24,7 +24,7 @@ from kvserve.runner.kv_transfer import KVTransfer
 from kvserve.runner.prompt_logprobs import PendingPromptLogprobs, PromptLogprobs
 from kvserve.request import PENDING_TOKEN
 from kvserve.runner.sampler import PendingSample, Sampler, SamplerOutput
-from kvserve.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler import ScheduledRequest, SchedulerOutput, row_request_id
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class ModelRunner:
             return InFlightStep([], None, prompt)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = list(map(_sampling_params, inputs.sampling_rows))
-        ids = list(map(_request_id, inputs.sampling_rows))
+        ids = list(map(row_request_id, inputs.sampling_rows))
         return InFlightStep(inputs.sampling_rows, self.sampler.sample(logits, params, ids), prompt)
 
     def execute(self, out: SchedulerOutput, block_tables: list[torch.Tensor]) -> StepResult:
@@ -182,7 +182,6 @@ def _same_requests(scheduled: list[ScheduledRequest], previous: list[ScheduledRe
 
 # Row getters for C-level passes over a step's rows (`map`: no Python frame per row).
 _request = attrgetter("request")
-_request_id = attrgetter("request.request_id")
 _sampling_params = attrgetter("request.sampling_params")
 
 
