@@ -122,6 +122,8 @@ def main() -> None:
         return compare(a.compare)
     if not (a.engine and a.model_dir):
         p.error("--engine and --model-dir are required unless --compare is given")
+    if a.num_prompts is not None and a.num_prompts < 1:
+        p.error(f"--num-prompts must be >= 1, got {a.num_prompts}")
     result = measure(a)
     if a.save_json:
         with open(a.save_json, "w") as f:

@@ -505,3 +505,6 @@ def test_the_sync_check_is_opt_in_and_needs_cuda(monkeypatch):
     assert step_trace.enable_sync_check_from_env() and modes == ["warn"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not step_trace.enable_sync_check_from_env() and modes == ["warn"]
+    monkeypatch.setenv(step_trace.SYNC_CHECK_ENV, "yes")
+    with pytest.raises(ValueError, match="KVSERVE_SYNC_CHECK must be 0 or 1, got 'yes'"):
+        step_trace.enable_sync_check_from_env()

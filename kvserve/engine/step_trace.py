@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import cProfile
 import gc
+import logging
 import math
 import os
 import pstats
 import statistics
 import sys
-import logging
 import time
 from collections import defaultdict
 
@@ -200,9 +200,13 @@ def now() -> float:
 
 
 def enable_sync_check_from_env() -> bool:
-    """With KVSERVE_SYNC_CHECK=1 on a CUDA machine: warn at each synchronising call (first per site)."""
+    """With KVSERVE_SYNC_CHECK=1 on a CUDA machine: warn at each synchronising call (first per site).
+    Any value but unset, 0 or 1 is an error: a misspelt switch must not pass for "off"."""
     import torch
-    if os.environ.get(SYNC_CHECK_ENV) != "1" or not torch.cuda.is_available():
+    value = os.environ.get(SYNC_CHECK_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SYNC_CHECK_ENV} must be 0 or 1, got {value!r}")
+    if value != "1" or not torch.cuda.is_available():
         return False
     torch.cuda.set_sync_debug_mode("warn")
     return True
