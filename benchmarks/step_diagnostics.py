@@ -85,7 +85,10 @@ def step_profile(what: str) -> None:
                    for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.reset_prefix_cache()
+    if not what.startswith("ide"):
+        llm.reset_prefix_cache()
+    # ide*: the prompts stay cached, so requests sharing a file prefix share its blocks, as when
+    # served (and as vllm_step_profile.py runs vLLM); before 2026-12-02 each had its own copy.
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
@@ -109,6 +112,8 @@ def step_profile(what: str) -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:22]:
         if e.self_device_time_total > 0:
             print(f"  {e.self_device_time_total / 1e3 / k:7.3f} ms/step  n={e.count / k:6.1f}  {e.key[:90]}")
+    from kvserve.bench.profile import device_idle
+    print("\n".join(device_idle(prof, k)))
     while engine.has_unfinished_requests():
         engine.step()
 

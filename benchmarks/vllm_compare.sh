@@ -2,9 +2,11 @@
 # The serving comparison with vLLM 0.26.0 in one device lease, five calls back to back (the
 # vLLM bundle needs three calls to travel, ../shared/peers/vllm/README.md; the first two test
 # while the next part of the bundle waits):
-#   stage 1  carry [".vp1"]:                     GPU tests of the engine and its graphs; a decode-step
-#                                                profile at ide-completion's served shape
-#   stage 2  carry [".vp2"]:                     unpack vLLM; DeepSeek V4's graph and engine GPU tests
+#   stage 1  carry [".vp1"]:                     GPU tests of the engine, its graphs and kernels; the
+#                                                prefill kernel's variants at a served step's shapes; a
+#                                                decode-step profile at ide-completion's served shape
+#   stage 2  carry [".vp2"]:                     unpack vLLM; DeepSeek V4's graph and engine GPU tests;
+#                                                host microseconds per step at 32/128/256 running
 #   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs (the rate
 #                                                sweep included), then its offline seed scenarios
 #   stage 4  carry [".dummy-qwen3-8b"]:          vLLM's serving runs (about 150 s of start-up)
@@ -41,14 +43,19 @@ pack() {  # a call brings back at most 8 files: the runs' JSON and server logs g
 case $stage in
   1)
     mkdir -p .vsite
-    gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py" \
-      "$OUT/gpu_tests_1.txt"
-    # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s
+    gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py \
+      tests/test_triton_kernels.py tests/test_attention_warmup.py" "$OUT/gpu_tests_1.txt"
+    # the prefill kernel's variants at a served 8K-token step's shapes
+    PYTHONPATH=$PWD timeout 150 python3 -m kvserve.bench.kernels --prefill-only | tee "$OUT/prefill_variants.txt"
+    # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s: kernels and idle gaps
     PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py ide24prof 49152 | tee "$OUT/ide24prof.txt" ;;
   2)
     cat .vp1/* .vp2/* | xz -d -T8 | tar -x -C .vsite
     TEST_SECONDS=150 gpu_tests "tests/test_deepseek_v4_graphs.py tests/test_deepseek_v4_engine.py" \
-      "$OUT/gpu_tests_2.txt" ;;
+      "$OUT/gpu_tests_2.txt"
+    # host microseconds per step at 32/128/256 running (msgspec from vLLM's site)
+    PYTHONPATH=$PWD:$PWD/.vsite timeout 120 python3 benchmarks/host_step_bench.py --model dummy:qwen3-8b \
+      --device cuda --running 32,128,256 --steps 24 2>&1 | tail -12 | tee "$OUT/host_step.txt" ;;
   3)
     python3 -m pip install -q --no-index --no-deps --no-compile --target .vsite .vp3/*.whl
     export PATH=$PWD/.vsite/bin:$PATH

@@ -5,7 +5,7 @@ recomputes one token a request and decodes 48 steps, so its kernels are the deco
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so torch's profiler sees
 its kernels.
 
-    PYTHONPATH=$PWD/.vsite python3 benchmarks/vllm_step_profile.py [MODEL_DIR]   # default dummy dir
+    PYTHONPATH=$PWD:$PWD/.vsite python3 benchmarks/vllm_step_profile.py [MODEL_DIR]   # default dummy dir
 """
 import os
 import sys
@@ -48,6 +48,8 @@ def main() -> None:
     print(f"GPU kernel time {sum(e.self_device_time_total for e in events) / 1e3 / STEPS:.2f} ms/step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:22]:
         print(f"  {e.self_device_time_total / 1e3 / STEPS:7.3f} ms/step  n={e.count / STEPS:6.1f}  {e.key[:90]}")
+    from kvserve.bench.profile import device_idle   # PYTHONPATH holds the repository root too
+    print("\n".join(device_idle(prof, STEPS)))
 
 
 if __name__ == "__main__":

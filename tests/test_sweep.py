@@ -107,3 +107,24 @@ def test_profile_on_gpu_times_the_decode_kernel(tmp_path, capsys):
     assert "of the measured copy limit" in text
     # CPU ops and the range also carry their kernels' device time: listing them counts kernels twice.
     assert "aten::" not in text and "kvserve::" not in text
+
+
+def test_device_idle_counts_gaps_between_kernels_once():
+    """Idle time is the gaps between the union of kernel spans (an overlapping
+    kernel hides no gap), bucketed by length and charged to the kernels around it."""
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+    from kvserve.bench.profile import device_idle
+
+    def kernel(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, key=name, device_type=device,
+                               time_range=SimpleNamespace(start=start, end=end))
+    events = [kernel("a", 0, 10), kernel("b", 11, 20), kernel("c", 15, 30),   # b and c overlap: no gap
+              kernel("d", 130, 140), kernel("host op", 30, 130, DeviceType.CPU),  # a CPU op is not device time
+              kernel("a", 143, 150)]
+    lines = device_idle(SimpleNamespace(events=lambda: events), num_steps=1)
+    assert lines[0] == "device idle 0.104 ms/step of 0.150 (3 gaps a step)"
+    assert lines[1:6] == ["  gaps 0-2 us:    1.0 a step, 0.001 ms/step", "  gaps 2-5 us:    1.0 a step, 0.003 ms/step",
+                          "  gaps 5-20 us:    0.0 a step, 0.000 ms/step", "  gaps 20-100 us:    0.0 a step, 0.000 ms/step",
+                          "  gaps 100-inf us:    1.0 a step, 0.100 ms/step"]
+    assert lines[6] == "  0.100 ms/step  c -> d"

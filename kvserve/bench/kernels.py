@@ -5,7 +5,8 @@ device-to-device copy, bytes read + written), then decode attention GB/s and
 its fraction of that bandwidth (batch 64, Qwen3-8B heads: 32 q / 8 kv,
 head_dim 128, bf16, contexts 4K/16K/64K, block sizes 16/64), a few decode
 kernel variants, and prefill TFLOP/s against torch SDPA (flash) on the same
-problem in contiguous tensors. Timings are triton.testing.do_bench medians;
+problem in contiguous tensors (`--prefill-only`: every prefill variant at
+the shapes of a served 8K-token step). Timings are triton.testing.do_bench medians;
 every working set is larger than L2 (do_bench also flushes L2 between runs).
 """
 from __future__ import annotations
@@ -30,9 +31,15 @@ DECODE_VARIANTS = [DecodeConfig(),
                    DecodeConfig(num_splits=1),
                    DecodeConfig(num_splits=8)]
 PREFILL_VARIANTS = [PrefillConfig(),
+                    PrefillConfig(unmasked_before=False),   # every tile masked: the kernel before
                     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+                    PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
                     PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
-                    PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)]
+                    PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3),
+                    PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+                    PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=4)]
+# The shapes of a served prefill step of 8K tokens: fresh prompts, and a long prompt's later chunks.
+PREFILL_SHAPES = [(8, 1024, 0), (2, 4096, 4096), (1, 8192, 0)]
 
 
 def _median_ms(fn) -> float:
@@ -108,11 +115,14 @@ def _decode_variants(paged: PagedBatch, copy_gbs: float, batch: int,
     return rows
 
 
-def bench_prefill(batch: int, seq_len: int, block_size: int) -> list[str]:
-    tokens = batch * seq_len
-    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    k, v = torch.randn(2, tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    num_blocks = tokens // block_size
+def bench_prefill(batch: int, seq_len: int, block_size: int, prefix: int = 0,
+                  variants: list[PrefillConfig] = PREFILL_VARIANTS) -> list[str]:
+    """`batch` chunks of `seq_len` new tokens, each after `prefix` cached
+    ones (chunked prefill of a long prompt); SDPA's row only without a prefix."""
+    total = prefix + seq_len
+    q = torch.randn(batch * seq_len, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    k, v = torch.randn(2, batch * total, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    num_blocks = batch * total // block_size
     ids = torch.randperm(num_blocks, device=DEVICE) + 1
     kv_cache = torch.empty(2, num_blocks + 1, block_size, KV_HEADS, HEAD_DIM,
                            dtype=DTYPE, device=DEVICE)
@@ -120,18 +130,25 @@ def bench_prefill(batch: int, seq_len: int, block_size: int) -> list[str]:
     kv_cache[1, ids] = v.view(num_blocks, block_size, KV_HEADS, HEAD_DIM)
     table = ids.view(batch, -1).to(torch.int32)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * seq_len
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.full((batch,), total, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
-    flops = 2 * batch * HEADS * seq_len * seq_len * HEAD_DIM  # causal: half of 4*S^2*D
+    # causal: each new token scores its prefix and the chunk's keys up to itself
+    flops = 4 * batch * HEADS * HEAD_DIM * (seq_len * prefix + seq_len * seq_len // 2)
     rows = []
-    for config in PREFILL_VARIANTS:
-        ms = _median_ms(lambda: prefill_attention(
-            q, kv_cache, out, table, starts, seq_lens, seq_len, HEAD_DIM ** -0.5,
-            None, 0, config))
-        rows.append(f"prefill triton bs={block_size} m={config.block_m} n={config.block_n} "
-                    f"w={config.num_warps} st={config.num_stages}  {ms * 1e3:8.1f} us"
-                    f"  {flops / ms / 1e9:6.1f} TFLOP/s")
-    rows.append(_sdpa_row(q, k, v, batch, seq_len, flops))
+    for config in variants:
+        label = (f"prefill {batch}x{seq_len} after {prefix} bs={block_size} m={config.block_m} "
+                 f"n={config.block_n} w={config.num_warps} st={config.num_stages}"
+                 f"{'' if config.unmasked_before else ' all-masked'}")
+        try:
+            ms = _median_ms(lambda: prefill_attention(
+                q, kv_cache, out, table, starts, seq_lens, seq_len, HEAD_DIM ** -0.5,
+                None, 0, config))
+        except Exception as e:  # a tile config past the SM's shared memory fails to compile
+            rows.append(f"{label}  failed: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        rows.append(f"{label}  {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s")
+    if not prefix:
+        rows.append(_sdpa_row(q, k, v, batch, seq_len, flops))
     return rows
 
 
@@ -153,7 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--prefill-batch", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="only prefill: every variant at the served step's shapes, block size 16")
     args = parser.parse_args(argv)
+    if args.prefill_only:
+        for batch, seq_len, prefix in PREFILL_SHAPES:
+            print("\n".join(bench_prefill(batch, seq_len, 16, prefix)), flush=True)
+        return
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     rows = [f"device: {torch.cuda.get_device_name()}",

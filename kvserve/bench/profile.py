@@ -164,6 +164,34 @@ def _is_device_kernel(e) -> bool:
     return e.device_type != DeviceType.CPU and not e.key.startswith(("kvserve::", "ProfilerStep"))
 
 
+def device_idle(prof, num_steps: int, top: int = 8) -> list[str]:
+    """Where the device sat idle between kernels, per step: the idle time in all, by gap
+    length, and the `top` kernel pairs with the most idle time between them. Under CUDA
+    graphs the gaps inside a replay are launch latency; a gap at a step's edge is the host's."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if _is_device_kernel(e) and e.time_range.end > e.time_range.start)
+    if not spans:
+        return ["no device kernels profiled"]
+    steps = max(num_steps, 1)
+    gaps, pairs, busy_end, before = [], {}, spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_end:
+            gaps.append(start - busy_end)
+            key = (before[:38], name[:38])
+            pairs[key] = pairs.get(key, 0.0) + start - busy_end
+        if end >= busy_end:
+            busy_end, before = end, name
+    window = spans[-1][1] - spans[0][0]
+    lines = [f"device idle {sum(gaps) / steps / 1e3:.3f} ms/step of {window / steps / 1e3:.3f} "
+             f"({len(gaps) / steps:.0f} gaps a step)"]
+    for lo, hi in ((0, 2), (2, 5), (5, 20), (20, 100), (100, float("inf"))):
+        within = [g for g in gaps if lo <= g < hi]
+        lines.append(f"  gaps {lo}-{hi} us: {len(within) / steps:6.1f} a step, {sum(within) / steps / 1e3:.3f} ms/step")
+    for (a, b), us in sorted(pairs.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {us / steps / 1e3:.3f} ms/step  {a} -> {b}")
+    return lines
+
+
 def _range_us(prof, name: str) -> tuple[float, int]:
     for e in prof.key_averages():
         if e.key == name:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +155,19 @@ def build_runner(args: EngineArgs, rank: RankModel, num_host_blocks: int = 0,
     if rank.device.type == "cuda" and not args.enforce_eager:
         runner.capture_graphs(sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,
                               mixed=rank.backend.name == "triton")
+    if rank.device.type == "cuda" and rank.backend.name == "triton":
+        warm_eager_attention_variants(rank)
     return runner
+
+
+def warm_eager_attention_variants(rank: RankModel) -> None:
+    """Compile the attention variants an eager step may pick now, not while serving."""
+    from kvserve.attention.backend import AttentionLayerInfo
+    from kvserve.attention.kernels.warmup import warm_eager_attention
+    layers = [m.info for m in rank.model.modules() if isinstance(getattr(m, "info", None), AttentionLayerInfo)]
+    start = time.perf_counter()
+    launches = warm_eager_attention(layers, rank.layout.block_size, rank.layout.dtype, rank.device)
+    logger.info("attention kernels: %d eager variants launched in %.1f s", launches, time.perf_counter() - start)
 
 
 def default_backend(device: torch.device) -> str:

@@ -105,8 +105,9 @@ class JitClock:
         ns = time.perf_counter_ns() - self._started.pop(info["key"], time.perf_counter_ns())
         self._ns += ns
         if ns / 1e6 > SLOW_JIT_MS:
-            logger.warning("Triton compiled a new variant of %s in %.0f ms, during serving",
-                           info["fn"].name, ns / 1e6)
+            # The repr names the variant (argument types, divisibility, constexprs): what to warm up.
+            logger.warning("Triton compiled a new variant of %s in %.0f ms, during serving: %s",
+                           info["fn"].name, ns / 1e6, str(info.get("repr", ""))[:1200])
         return self._after(**info) if self._after else None
 
     def take_ms(self) -> float:

@@ -118,7 +118,7 @@ def _attend_and_store_newest(q, m_i, l_i, acc, qk_scale, owns_newest, token, kv_
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_table"])
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
@@ -176,7 +176,7 @@ def _decode_split_kernel(
                 split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
     num_splits, NUM_HEADS: tl.constexpr, SPLITS_POW2: tl.constexpr,

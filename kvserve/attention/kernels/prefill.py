@@ -55,6 +55,9 @@ class PrefillConfig:
     waves: int = 2                 # split small steps up to this many programs per SM
     min_split_keys: int = 256      # never split a context below this many keys per program
     num_splits: int | None = None  # fixed split count (tests, sweeps); None = `plan_splits`
+    # Whole key tiles before a query tile's first query run without masks (full attention);
+    # False masks every tile, as the kernel did before (bench A/B).
+    unmasked_before: bool = True
 
     def block_q(self, num_heads: int, num_kv_heads: int) -> int:
         """Query tokens per program: BLOCK_M rows hold all heads of one GQA group."""
@@ -95,16 +98,52 @@ def tile_table(query_lens: torch.Tensor, block_q: int,
 
 
 @triton.jit
-def _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo, table_row,
+def _attend_before(q, k_cache_ptr, v_cache_ptr, start, end, table_row, stride_cache_block,
+                   stride_cache_offset, kv_head_offset, m_i, l_i, acc, qk_scale,
+                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold whole key tiles [start, end) that every row of the tile sees (all before its
+    first query, full attention) into the online softmax: no masks, no bounds."""
+    dims = tl.arange(0, HEAD_DIM)
+    for tile in range(start, end, BLOCK_N):
+        key = tile + tl.arange(0, BLOCK_N)
+        page = tl.load(table_row + key // PAGE_SIZE)
+        offs = page.to(tl.int64) * stride_cache_block + (key % PAGE_SIZE) * stride_cache_offset + kv_head_offset
+        k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_visible(q, q_pos, first_pos, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo, table_row,
                     stride_cache_block, stride_cache_offset, kv_head_offset, qk_scale, window, sink,
                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    UNMASKED_BEFORE: tl.constexpr):
     """Online softmax of the query rows (at positions q_pos) over the tile's
     visible keys [start, end) (virtual indices), masked causally (and by
-    window + sink): (running max, running sum, unnormalised output)."""
+    window + sink): (running max, running sum, unnormalised output).
+
+    With full attention, the whole tiles before the tile's first query
+    (`first_pos`) are seen by every row: they run without masks or bounds
+    checks, and only the tiles reaching the diagonal pay for them."""
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if UNMASKED_BEFORE and not SLIDING:  # start is a multiple of BLOCK_N (split_range), so whole tiles stay whole
+        before = tl.maximum(tl.minimum(end, (first_pos // BLOCK_N) * BLOCK_N), start)
+        m_i, l_i, acc = _attend_before(q, k_cache_ptr, v_cache_ptr, start, before, table_row,
+                                       stride_cache_block, stride_cache_offset, kv_head_offset,
+                                       m_i, l_i, acc, qk_scale, BLOCK_M, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                                       DOT_PRECISION)
+        start = before
     for tile in range(start, end, BLOCK_N):
         key, key_valid, v_ptrs, s = score_tile(
             q, k_cache_ptr, v_cache_ptr, tile + tl.arange(0, BLOCK_N), end, sink_end, lo,
@@ -151,9 +190,10 @@ def _tile_rows(q_tile, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     return tok, rows % GROUP, (rows < BLOCK_Q * GROUP) & (tok < q_len)
 
 
-# The block table's row stride changes with every batch's widest table: not
-# specialised, so a served run never stops to compile a new variant.
-@triton.jit(do_not_specialize=["stride_table"])
+# The block table's row stride changes with every batch's widest table, the split count
+# with every eager batch: neither is specialised, so a served run never stops to compile a
+# new variant (kernels/warmup.py compiles the rest at start-up).
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
@@ -163,7 +203,7 @@ def _prefill_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, UNMASKED_BEFORE: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
@@ -189,17 +229,17 @@ def _prefill_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head * stride_cache_head
 
-    m_i, l_i, acc = _attend_visible(q, q_pos, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo,
+    m_i, l_i, acc = _attend_visible(q, q_pos, first_pos, k_cache_ptr, v_cache_ptr, start, end, sink_end, lo,
                                     table_row, stride_cache_block, stride_cache_offset,
                                     kv_head_offset, qk_scale, window, sink, BLOCK_M, HEAD_DIM,
-                                    PAGE_SIZE, BLOCK_N, SLIDING, DOT_PRECISION)
+                                    PAGE_SIZE, BLOCK_N, SLIDING, DOT_PRECISION, UNMASKED_BEFORE)
     # A split past a row's causal limit holds none of its keys: it merges as weight 0.
     token = (q_start + tok).to(tl.int64)
     store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, token, head, row_valid,
                 split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _prefill_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
     stride_ot, stride_oh, num_splits,
@@ -265,7 +305,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
         DOT_PRECISION=dot_precision(kv_cache.dtype), TILED=tiles is not None,
-        SKIP_SINGLE=not single_queries, DIRECT=direct,
+        SKIP_SINGLE=not single_queries, DIRECT=direct, UNMASKED_BEFORE=config.unmasked_before,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if not direct:
         _prefill_reduce_kernel[(grid[0], grid[1] * block_q, num_kv_heads)](

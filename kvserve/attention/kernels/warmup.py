@@ -1,0 +1,97 @@
+"""Start-up compiles of the attention kernels' variants that eager steps can pick.
+
+Triton compiles a kernel on the first launch of each variant (its constexprs and
+launch config). Graph capture compiles what its buckets use, but a step too large
+for any graph runs eagerly and plans its split counts from its own batch. The first
+such step with a new count then compiled mid-serving: a served H200 run stalled the
+host for 330-444 ms on three eager steps of a burst of long prompts. Launching each
+variant once on a tiny batch moves those compiles to start-up (later starts load
+them from Triton's disk cache).
+
+Split counts are not specialised (`do_not_specialize` in both kernels), so one
+launch per variant class covers them all: direct or split, and for the reduces each
+power of two their split loads are padded to.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.backend import AttentionLayerInfo
+from kvserve.attention.kernels.decode import MAX_SPLITS as DECODE_MAX_SPLITS
+from kvserve.attention.kernels.decode import DecodeConfig, decode_attention
+from kvserve.attention.kernels.prefill import MAX_SPLITS as PREFILL_MAX_SPLITS
+from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
+from kvserve.attention.triton_backend import mask_bounds
+
+CONTEXT = 64        # keys of the tiny batch's sequences
+PREFILL_QUERY = 16  # query tokens of its prefill sequence
+
+
+def split_counts(max_splits: int) -> list[int]:
+    """1 (direct), then one count for each power of two a reduce pads to: 2, 3, 5, 9, ..."""
+    counts, n = [1, 2], 2
+    while n < max_splits:
+        counts.append(n + 1)
+        n *= 2
+    return counts
+
+
+def warm_eager_attention(layers: list[AttentionLayerInfo], block_size: int, dtype: torch.dtype,
+                         device: torch.device) -> int:
+    """Launch every eager variant once for each distinct layer shape; returns the launches."""
+    shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, *mask_bounds(layer), layer.scale)
+              for layer in layers}
+    return sum(_warm_shape(*shape, block_size, dtype, device) for shape in sorted(shapes, key=str))
+
+
+def _warm_shape(heads: int, kv_heads: int, head_dim: int, window: int | None, sink: int, scale: float,
+                block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    batch = _TinyBatch(heads, kv_heads, head_dim, block_size, dtype, device)
+    launches = 0
+    for num_splits in split_counts(DECODE_MAX_SPLITS):
+        config = DecodeConfig(num_splits=num_splits)
+        for single_only, new_kv in ((True, None), (False, batch.new_kv())):
+            decode_attention(*batch.args(decode=not single_only), batch.bound(config.split_block_n, num_splits),
+                             scale, window, sink, config=config, new_kv=new_kv, single_only=single_only)
+            launches += 1
+    for num_splits in split_counts(PREFILL_MAX_SPLITS):
+        prefill_attention(*batch.args(decode=False), PREFILL_QUERY, scale, window, sink,
+                          config=PrefillConfig(num_splits=num_splits), single_queries=False,
+                          max_seq_len=CONTEXT)
+        launches += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return launches
+
+
+class _TinyBatch:
+    """One decode row and one prefill row of CONTEXT keys each over a zeroed cache (blocks
+    from 1 on; the NULL block 0 stays zero)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        blocks = -(-CONTEXT // block_size)
+        self.kv_cache = torch.zeros(2, 2 * blocks + 1, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.tables = torch.arange(1, 2 * blocks + 1, dtype=torch.int32, device=device).view(2, blocks)
+        self.seq_lens = torch.full((2,), CONTEXT, dtype=torch.int32, device=device)
+        self.q = torch.zeros(1 + PREFILL_QUERY, heads, head_dim, dtype=dtype, device=device)
+        self.shape = (kv_heads, head_dim, dtype, device)
+
+    def args(self, decode: bool) -> tuple:
+        """(q, kv_cache, out, block_table, query_start_loc, seq_lens): decode alone, or both rows."""
+        if decode:
+            q, tables, seq_lens, ends = self.q[:1], self.tables[:1], self.seq_lens[:1], [0, 1]
+        else:
+            q, tables, seq_lens, ends = self.q, self.tables, self.seq_lens, [0, 1, 1 + PREFILL_QUERY]
+        starts = torch.tensor(ends, dtype=torch.int32, device=q.device)
+        return q, self.kv_cache, torch.empty_like(q), tables, starts, seq_lens
+
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv_heads, head_dim, dtype, device = self.shape
+        k = torch.zeros(1, kv_heads, head_dim, dtype=dtype, device=device)
+        return k, k.clone(), torch.full((1,), -1, dtype=torch.int64, device=device)   # slot -1: not stored
+
+    @staticmethod
+    def bound(split_block_n: int, num_splits: int) -> int:
+        """A context bound that lets the decode plan keep `num_splits` (it caps splits at its tiles)."""
+        return max(CONTEXT, split_block_n * num_splits)

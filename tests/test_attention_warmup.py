@@ -1,0 +1,93 @@
+"""Start-up compiles of the eager attention variants (kvserve/attention/kernels/warmup.py).
+
+On the GPU: after the warm-up, eager decode and mixed attention over batches whose
+split plans take every count from 1 to the kernels' maximum compile nothing (counted
+with Triton's post-compile hook). On the CPU: the split counts cover every padding
+of the reduces, and the warm-up itself runs under the interpreter.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.attention.backend import AttentionLayerInfo
+from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from tests.triton_interpreter import run_interpreted
+
+
+def _layers(heads=32, kv_heads=8, head_dim=128):
+    specs = [FullAttentionSpec(), SlidingWindowSpec(window=4096)]
+    return [AttentionLayerInfo(i, 0, spec, heads, kv_heads, head_dim, head_dim ** -0.5)
+            for i, spec in enumerate(specs)]
+
+
+@pytest.mark.parametrize("max_splits", [16, 64])
+def test_split_counts_reach_every_reduce_padding(max_splits):
+    pytest.importorskip("triton")
+    from kvserve.attention.kernels.warmup import split_counts
+    counts = split_counts(max_splits)
+    assert counts[0] == 1 and max(counts) <= max_splits
+    paddings = {max(2, 1 << (n - 1).bit_length()) for n in counts[1:]}
+    assert paddings == {1 << b for b in range(1, max_splits.bit_length())}
+
+
+def interpreted_warmup():
+    """Run under TRITON_INTERPRET=1: one full and one sliding layer, tiny heads."""
+    from kvserve.attention.kernels.warmup import warm_eager_attention
+    launches = warm_eager_attention(_layers(4, 2, 16), 8, torch.float16, torch.device("cpu"))
+    print(launches)
+
+
+def test_warmup_runs_under_interpreter():
+    out = run_interpreted("from tests import test_attention_warmup as t; t.interpreted_warmup()", timeout=300)
+    assert int(out.split()[-1]) == 2 * (7 * 2 + 5)   # two shapes x (decode 7 counts x 2 kinds + prefill 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_compile_after_warmup_for_any_eager_split_plan():
+    from triton import knobs
+    from kvserve.attention.kernels import decode_attention, mixed_attention
+    from kvserve.attention.kernels.warmup import warm_eager_attention
+    device = torch.device("cuda")
+    layers = _layers()
+    warm_eager_attention(layers, 16, torch.bfloat16, device)
+    compiled = []
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **info: compiled.append(info["fn"].name)
+    try:
+        rng = random.Random(0)
+        for num_seqs in (1, 2, 3, 5, 9, 17, 33, 65, 130, 256):
+            for layer in layers:
+                _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attention)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert compiled == []
+
+
+def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attention):
+    """A decode-only and a mixed launch of `num_seqs` rows at random contexts up to 8K."""
+    window = getattr(layer.spec, "window", None)
+    heads, kv_heads, dim, block = layer.num_heads, layer.num_kv_heads, layer.head_dim, 16
+    contexts = [rng.randint(1, 8192) for _ in range(num_seqs)]
+    queries = [1] * num_seqs
+    queries[0] = min(contexts[0], rng.randint(2, 300))   # one prefill row in the mixed launch
+    width = -(-max(contexts) // block)
+    cache = torch.zeros(2, width + 1, block, kv_heads, dim, dtype=torch.bfloat16, device=device)
+    table = torch.randint(1, width + 1, (num_seqs, width), dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    for lens in ([1] * num_seqs, queries):
+        starts = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+        q = torch.randn(int(starts[-1]), heads, dim, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(q)
+        if lens is queries:
+            mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
+                            window, 0)
+        else:
+            k = torch.zeros(num_seqs, kv_heads, dim, dtype=torch.bfloat16, device=device)
+            slots = torch.full((num_seqs,), -1, dtype=torch.int64, device=device)
+            decode_attention(q, cache, out, table, starts, seq_lens, max(contexts), layer.scale, window, 0,
+                             new_kv=(k, k, slots))
