@@ -5,13 +5,15 @@
 #   stage 1  carry [".vp1"]:                     GPU tests of the engine, its graphs and kernels; the
 #                                                prefill kernel's variants at a served step's shapes; a
 #                                                decode-step profile at ide-completion's served shape
-#   stage 2  carry [".vp2"]:                     unpack vLLM; DeepSeek V4's graph and engine GPU tests;
+#   stage 2  carry [".vp2", ".vp1b"]:            unpack vLLM; DeepSeek V4's graph and engine GPU tests;
 #                                                host microseconds per step at 32/128/256 running
 #   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs (the rate
 #                                                sweep included), then its offline seed scenarios
 #   stage 4  carry [".dummy-qwen3-8b"]:          vLLM's serving runs (about 150 s of start-up)
 #   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's decode-step profile at ide's shape; its offline
 #                                                seed scenarios
+# .vp1b holds the first part's last ~2 MB: with this repository's tree, the whole part passed the
+# 64 MiB a call may carry.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
 # site: carrying kvserve's own beside .vp2 would pass the 64 MiB a call may carry.
 # Carry .dummy-qwen3-8b in every call that serves: ignored paths not carried are removed there.
@@ -50,7 +52,7 @@ case $stage in
     # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s: kernels and idle gaps
     PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py ide24prof 49152 | tee "$OUT/ide24prof.txt" ;;
   2)
-    cat .vp1/* .vp2/* | xz -d -T8 | tar -x -C .vsite
+    cat .vp1/* .vp1b/* .vp2/* | xz -d -T8 | tar -x -C .vsite
     TEST_SECONDS=150 gpu_tests "tests/test_deepseek_v4_graphs.py tests/test_deepseek_v4_engine.py" \
       "$OUT/gpu_tests_2.txt"
     # host microseconds per step at 32/128/256 running (msgspec from vLLM's site)
