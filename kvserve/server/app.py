@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.diagnose.endpoint import add_debug_routes
@@ -152,27 +153,47 @@ def _version() -> str:
 
 # -- middleware: request ids, API key, CORS ------------------------------------------------
 def _add_middleware(app: FastAPI, options: ServerOptions) -> None:
-    @app.middleware("http")
-    async def request_id_and_auth(request: Request, call_next):
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        if options.api_key is not None and request.url.path.startswith("/v1") \
-                and request.method != "OPTIONS" and not _authorized(request, options.api_key):
-            response: Response = JSONResponse(APIError(
-                401, "Incorrect API key provided: send it as `Authorization: Bearer <key>`.",
-                code="invalid_api_key").body(), status_code=401)
-        else:
-            response = await call_next(request)
-        response.headers["X-Request-Id"] = request_id
-        return response
-
+    app.add_middleware(RequestIdAndAuth, api_key=options.api_key)
     if options.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
 
 
-def _authorized(request: Request, api_key: str) -> bool:
-    header = request.headers.get("authorization", "")
+class RequestIdAndAuth:
+    """Every HTTP response carries X-Request-Id (the client's, or a new one); /v1 routes
+    need the API key when one is set.
+
+    A plain ASGI middleware, not Starlette's `@app.middleware("http")`: that one passes
+    every chunk of a streamed response through a memory stream and another task, which
+    cost ~40 us a chunk against ~2 us (benchmarks/middleware_bench.py), paid once per
+    token of every stream."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+        if self.api_key is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS" \
+                and not _authorized(headers.get("authorization", ""), self.api_key):
+            response = JSONResponse(APIError(
+                401, "Incorrect API key provided: send it as `Authorization: Bearer <key>`.",
+                code="invalid_api_key").body(), status_code=401)
+            await response(scope, receive, send_with_id)
+            return
+        await self.app(scope, receive, send_with_id)
+
+
+def _authorized(header: str, api_key: str) -> bool:
     scheme, _, token = header.partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), api_key)
 
