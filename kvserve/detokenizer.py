@@ -13,7 +13,8 @@ character split over byte tokens) is held back until more tokens complete it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, Callable
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -29,10 +30,27 @@ def advance(tokenizer: Any, state: DetokenizerState, token_ids: list[int]) -> st
     """The text of `token_ids` (which only ever grow) as far as it is final."""
     if state.read_offset >= len(token_ids):
         return state.text
-    prefix = tokenizer.decode(token_ids[state.prefix_offset:state.read_offset],
-                              skip_special_tokens=True)
-    full = tokenizer.decode(token_ids[state.prefix_offset:], skip_special_tokens=True)
+    decode = decoder(tokenizer)
+    prefix = decode(token_ids[state.prefix_offset:state.read_offset])
+    full = decode(token_ids[state.prefix_offset:])
     if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
         state.text += full[len(prefix):]
         state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
     return state.text
+
+
+@lru_cache(maxsize=16)
+def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight from a fast tokenizer's
+    Rust backend when that gives the same text (no clean-up of tokenization spaces):
+    transformers' wrapper around that call cost ~3x the decode itself, twice per
+    streamed token (benchmarks/api_stream_bench.py)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        Tokenizer = None
+    if Tokenizer is not None and isinstance(backend, Tokenizer) \
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -63,3 +63,24 @@ def test_multibyte_character_is_held_back_until_complete():
     state = DetokenizerState()
     texts = [advance(tokenizer, state, ids[:end]) for end in range(1, len(ids) + 1)]
     assert texts == [""] * (len(ids) - 1) + ["🦊"]
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_fast_decoder_equals_the_tokenizers_decode(tokenizer, clean_up):
+    """The Rust backend is called directly only where transformers' decode would
+    return the same text: with clean-up of tokenization spaces, the wrapper stays."""
+    import random
+    from kvserve.detokenizer import decoder
+    before, tokenizer.clean_up_tokenization_spaces = tokenizer.clean_up_tokenization_spaces, clean_up
+    decoder.cache_clear()
+    decode = decoder(tokenizer)
+    assert (decode.__closure__[0].cell_contents is tokenizer._tokenizer) == (not clean_up)
+    rng = random.Random(0)
+    special = tokenizer.convert_tokens_to_ids("<eos>")
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids.insert(rng.randrange(len(ids) + 1), special)
+        for start in range(0, len(ids), 3):
+            assert decode(ids[start:]) == tokenizer.decode(ids[start:], skip_special_tokens=True)
+    tokenizer.clean_up_tokenization_spaces = before
+    decoder.cache_clear()
