@@ -3,7 +3,7 @@
 A FastAPI app streams N server-sent-event chunks to an in-process ASGI caller (no
 socket), three ways: no middleware; the request-id header set by Starlette's
 `@app.middleware("http")` (BaseHTTPMiddleware, what the server used before
-2026-12-02); and the server's `RequestIdAndAuth` (plain ASGI). A stream sends one
+1dce138); and the server's `RequestIdAndAuth` (plain ASGI). A stream sends one
 chunk per token, so this is paid per token of every request.
 
     python benchmarks/middleware_bench.py [N]

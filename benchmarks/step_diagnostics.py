@@ -88,7 +88,7 @@ def step_profile(what: str) -> None:
     if not what.startswith("ide"):
         llm.reset_prefix_cache()
     # ide*: the prompts stay cached, so requests sharing a file prefix share its blocks, as when
-    # served (and as vllm_step_profile.py runs vLLM); before 2026-12-02 each had its own copy.
+    # served (and as vllm_step_profile.py runs vLLM); before 5d67885 each had its own copy.
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
