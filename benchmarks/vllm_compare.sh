@@ -45,8 +45,8 @@ pack() {  # a call brings back at most 8 files: the runs' JSON and server logs g
 case $stage in
   1)
     mkdir -p .vsite
-    gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py \
-      tests/test_triton_kernels.py tests/test_attention_warmup.py" "$OUT/gpu_tests_1.txt"
+    TEST_SECONDS=400 gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py \
+      tests/test_triton_kernels.py tests/test_attention_warmup.py tests/test_batch_tables.py" "$OUT/gpu_tests_1.txt"
     # the prefill kernel's variants at a served 8K-token step's shapes
     PYTHONPATH=$PWD timeout 150 python3 -m kvserve.bench.kernels --prefill-only | tee "$OUT/prefill_variants.txt"
     # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s: kernels and idle gaps

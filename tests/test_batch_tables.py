@@ -115,3 +115,59 @@ def test_host_batch_matches_a_per_token_walk():
         assert host.seq_idx.tolist() == seq_idx and host.query_start_loc.tolist() == starts
         assert host.query_start_loc.dtype == torch.int32 and host.positions.dtype == torch.int64
         assert host.seq_lens.tolist() == [s.start_pos + s.num_new_tokens for s in scheduled]
+
+
+def test_packing_into_a_staging_buffer_equals_a_fresh_pack():
+    rng = torch.Generator().manual_seed(1)
+    parts = [torch.randint(-9, 9, (n,), generator=rng, dtype=torch.int32) for n in (3, 17, 1, 40)]
+    buffer = torch.full((4096,), 255, dtype=torch.uint8)
+    packed = pack(parts, into=buffer)
+    assert packed.data_ptr() == buffer.data_ptr() and packed.dtype == torch.int32
+    fresh = pack(parts)
+    for part, view, fresh_view in zip(parts, split_packed(packed, parts), split_packed(fresh, parts)):
+        assert torch.equal(part, view) and torch.equal(part, fresh_view)
+        assert view.data_ptr() - packed.data_ptr() == fresh_view.data_ptr() - fresh.data_ptr()
+
+
+def test_staging_ring_reuses_a_buffer_only_after_its_copy_and_grows_rarely():
+    from kvserve.runner.batch import StagingRing
+
+    class Event:
+        recorded = 0
+        waited: list[int] = []
+
+        def record(self):
+            self.id, Event.recorded = Event.recorded, Event.recorded + 1
+
+        def synchronize(self):
+            Event.waited.append(self.id)
+    ring = StagingRing(pin_memory=False, event=Event)
+    seen = {}
+    for step in range(3 * StagingRing.SLOTS):
+        slot, buffer = ring.take(1000 * (step + 1))
+        assert buffer.numel() >= 1000 * (step + 1)
+        assert slot == step % StagingRing.SLOTS
+        # the slot's last copy (the step SLOTS back) is waited for before its buffer is reused
+        assert Event.waited == list(range(max(0, step - StagingRing.SLOTS + 1)))
+        seen.setdefault(slot, set()).add(buffer.data_ptr())
+        ring.copied(slot)
+    assert all(len(ptrs) <= 3 for ptrs in seen.values())   # 1K -> 8.2K -> 16.4K... doubling, not per step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uploads_through_the_staging_ring_arrive_intact():
+    """More uploads than the ring has slots, each of a new size, with the device busy
+    in between: every upload's device copy equals what was packed."""
+    from kvserve.runner.batch import StagingRing, upload_packed
+    rng = torch.Generator().manual_seed(2)
+    busy = torch.randn(4096, 4096, device="cuda")
+    sent, got = [], []
+    for step in range(3 * StagingRing.SLOTS):
+        parts = [torch.randint(0, 1 << 30, (n,), generator=rng, dtype=torch.int64) for n in (step * 97 + 1, 5)]
+        busy = busy @ busy / 4096   # keeps the stream busy, so copies queue behind it
+        got.append(upload_packed(parts, torch.device("cuda")))
+        sent.append(parts)
+    for parts, views in zip(sent, got):
+        for part, view in zip(parts, views):
+            assert torch.equal(view.cpu(), part)

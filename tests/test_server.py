@@ -289,18 +289,25 @@ def test_bench_serve_from_two_client_processes(embedded, tmp_path):
 
 # -- concurrency, disconnects, overload (tiny model) ------------------------------------------
 async def _stream_client(client: openai.AsyncOpenAI, i: int, disconnect: bool) -> tuple[int, str | None]:
+    """(tokens the usage chunk counts, finish reason), or (chunks read, "disconnected").
+    Chunks are not counted as tokens: a reader that falls behind gets several tokens a chunk."""
     prompt = [3 + (i * 7 + j) % 200 for j in range(16)]
     stream = await client.completions.create(model="tiny", prompt=prompt, stream=True, temperature=0,
                                              max_tokens=480 if disconnect else 24,
+                                             stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
-    received, finish = 0, None
+    received, tokens, finish = 0, 0, None
     async for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if not chunk.choices:
+            continue
         received += len(chunk.choices)
         finish = chunk.choices[0].finish_reason or finish
         if disconnect and received == 3:
             await stream.close()
             return received, "disconnected"
-    return received, finish
+    return tokens, finish
 
 
 def test_32_streams_with_a_third_disconnecting(tiny_path):

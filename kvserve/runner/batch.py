@@ -3,7 +3,7 @@
 The host side is a few list walks and one `torch.tensor` per array; slot
 mappings are derived from the block tables with array ops (no per-token Python
 loop), on the host; on CUDA everything then moves to the device in two
-transfers, one per dtype, packed, pinned and non-blocking.
+transfers, one per dtype, packed into reused pinned buffers, non-blocking.
 """
 from __future__ import annotations
 
@@ -192,24 +192,74 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host tensors of one dtype on `device` with one transfer (CUDA): packed
-    into one pinned buffer, copied once without waiting for the stream, and
-    split into views of their shapes. Each transfer costs a pinned buffer and a
-    copy launch: a step's eight separate ones were most of its CUDA-only host
-    time. On the CPU there is nothing to transfer."""
+    into a pinned staging buffer of this dtype's ring, copied once without
+    waiting for the stream, and split into views of their shapes. Each transfer
+    costs a copy launch: a step's eight separate ones were most of its CUDA-only
+    host time. On the CPU there is nothing to transfer."""
     if device.type != "cuda":
         return parts
-    return split_packed(pack(parts, pin_memory=True).to(device, non_blocking=True), parts)
+    ring = _RINGS.get(parts[0].dtype)
+    if ring is None:
+        ring = _RINGS[parts[0].dtype] = StagingRing()
+    slot, buffer = ring.take(_starts(parts)[-1] * parts[0].element_size())
+    on_device = pack(parts, into=buffer).to(device, non_blocking=True)
+    ring.copied(slot)
+    return split_packed(on_device, parts)
 
 
-def pack(parts: list[torch.Tensor], pin_memory: bool = False) -> torch.Tensor:
-    """`parts` (one dtype) flattened into one buffer, each starting at a
-    multiple of ALIGN elements so that the views `split_packed` hands to
-    kernels stay 16-byte aligned (Triton specializes on it)."""
+class StagingRing:
+    """Pinned host buffers for uploads, reused in turn.
+
+    A fresh pinned tensor a step went through torch's pinned allocator, and a size
+    it had no free block for called cudaHostAlloc, which takes a driver-wide lock
+    (vLLM saw it stall steps for milliseconds, vllm-project/vllm#37006; an 8K-token
+    step needs sizes the steps before it never did). Here a buffer grows only past
+    its largest use, and is rewritten only once the copy that read it has run (its
+    event: SLOTS steps back, long done unless that many steps are in flight)."""
+
+    SLOTS = 8
+
+    def __init__(self, pin_memory: bool = True, event=None) -> None:
+        self.pin_memory = pin_memory
+        self._event = event or torch.cuda.Event
+        self._buffers: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._events: list = [None] * self.SLOTS
+        self._next = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """(slot, a uint8 buffer of at least `nbytes`) to fill and copy from now."""
+        slot, self._next = self._next, (self._next + 1) % self.SLOTS
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:   # grow by doubling: few allocations in all
+            size = max(nbytes, 2 * (0 if buffer is None else buffer.numel()), 4096)
+            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        return slot, buffer
+
+    def copied(self, slot: int) -> None:
+        """The copy from `slot`'s buffer is queued: it may be rewritten once its event has passed."""
+        if self._events[slot] is None:
+            self._events[slot] = self._event()
+        self._events[slot].record()
+
+
+_RINGS: dict[torch.dtype, StagingRing] = {}
+
+
+def pack(parts: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
+    """`parts` (one dtype) flattened into one buffer (a new one, or the front of
+    the uint8 buffer `into`), each starting at a multiple of ALIGN elements so
+    that the views `split_packed` hands to kernels stay 16-byte aligned (Triton
+    specializes on it)."""
     dtype = parts[0].dtype
     if any(t.dtype != dtype for t in parts):   # numpy would cast silently
         raise ValueError(f"packed parts must share one dtype, got {[t.dtype for t in parts]}")
     starts = _starts(parts)
-    packed = torch.empty(starts[-1], dtype=dtype, pin_memory=pin_memory)
+    if into is None:
+        packed = torch.empty(starts[-1], dtype=dtype)
+    else:
+        packed = into[:starts[-1] * parts[0].element_size()].view(dtype)
     flat = packed.numpy()
     for t, start in zip(parts, starts):
         flat[start:start + t.numel()] = t.numpy().reshape(-1)

@@ -17,6 +17,7 @@ submission fails with an OpenAI-style error and `is_healthy` turns False.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -99,7 +100,14 @@ class _Choice:
 
 
 class Submission:
-    """The asyncio side of one Job: acceptance future, delta queue, its choices."""
+    """The asyncio side of one Job: acceptance future, its choices, and what they
+    have for the reader (`deltas`), in order: choices with new tokens, final deltas,
+    a failure.
+
+    A choice with new tokens is queued once until the reader takes it; its delta is
+    made then, from every token that arrived meanwhile. A reader that keeps up gets a
+    delta per token; one that falls behind (a busy event loop) gets fewer, longer
+    ones and the detokenizing and the events are paid per delta, not per token."""
 
     def __init__(self, job: Job, submission_id: str, on_choice_done) -> None:
         self.job = job
@@ -107,16 +115,24 @@ class Submission:
         self.arrival_time = time.monotonic()
         self.loop = asyncio.get_running_loop()
         self.accepted: asyncio.Future[list[int]] = self.loop.create_future()
-        self.deltas: asyncio.Queue[Delta | Exception] = asyncio.Queue()
         self.num_open = job.num_choices   # choices whose final delta is not yet queued
         self.choices: list[_Choice] = []
         self.prompt_lens: list[int] = []
         self.prompt_token_ids: list[list[int]] = []
         self.aborted = False
         self._on_choice_done = on_choice_done
+        self._items: collections.deque[_Choice | Delta | Exception] = collections.deque()
+        self._queued: set[int] = set()    # choices queued with new tokens, by index
+        self._wakeup: asyncio.Future | None = None
+
+    def has_tokens(self, choice: "_Choice") -> None:
+        """`choice` got tokens: queue it for the reader unless it already is."""
+        if choice.index not in self._queued:
+            self._queued.add(choice.index)
+            self._put(choice)
 
     def deliver(self, item: Delta | Exception) -> None:
-        self.deltas.put_nowait(item)
+        self._put(item)
         if isinstance(item, Exception):
             done, self.num_open = self.num_open, 0   # a failure ends every choice
         elif item.finished:
@@ -124,6 +140,26 @@ class Submission:
         else:
             return
         self._on_choice_done(done)
+
+    async def next_item(self) -> Delta | Exception | None:
+        """The next delta or failure; None for a queued choice with nothing new to send
+        (its final delta, made since it was queued, carries its tokens)."""
+        while not self._items:
+            self._wakeup = self.loop.create_future()
+            await self._wakeup
+        item = self._items.popleft()
+        if not isinstance(item, _Choice):
+            return item
+        self._queued.discard(item.index)
+        if item.finished_time is not None:
+            return None
+        delta = Delta(item.index, *item.output.next_delta(), prompt_logprobs=item.output.take_prompt_logprobs())
+        return delta if delta.token_ids or delta.text or delta.prompt_logprobs else None
+
+    def _put(self, item: "_Choice | Delta | Exception") -> None:
+        self._items.append(item)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     def resolve(self, result: list[int] | Exception) -> None:
         if self.accepted.done():
@@ -206,7 +242,9 @@ class AsyncEngine:
         num_unread = sub.job.num_choices
         try:
             while num_unread > 0:
-                item = await sub.deltas.get()
+                item = await sub.next_item()
+                if item is None:
+                    continue
                 if isinstance(item, Exception):
                     raise item
                 num_unread -= item.finished
@@ -331,8 +369,7 @@ class AsyncEngine:
             self._choices.pop(choice.request_id, None)
             self._finish(choice, out.finish_reason, now, out.stop_reason)
         else:
-            choice.submission.deliver(Delta(choice.index, *choice.output.next_delta(),
-                                            prompt_logprobs=choice.output.take_prompt_logprobs()))
+            choice.submission.has_tokens(choice)   # its delta is made when the reader takes it
 
     def _observe_token_times(self, choice: _Choice, out: CoreOutput, now: float) -> None:
         if out.scheduled_time is not None:
