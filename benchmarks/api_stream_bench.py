@@ -60,14 +60,12 @@ class SyntheticCore:
         """Steps on a fixed schedule, as the core process runs whatever the API side does:
         steps that fell due while the event loop was busy are delivered back to back, as
         the messages queued in the socket would be."""
-        due = time.perf_counter()
+        due = time.perf_counter() + self.step_s
         while True:
-            due += self.step_s
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            while due <= time.perf_counter():
+            while due <= time.perf_counter():   # each step that fell due, once
                 on_outputs(self._codec.decode(self._codec.encode(self._step())))
                 due += self.step_s
-            on_outputs(self._codec.decode(self._codec.encode(self._step())))
 
     def _step(self) -> CoreOutputs:
         message = CoreOutputs(accepted=self._accepted)
