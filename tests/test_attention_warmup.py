@@ -42,7 +42,8 @@ def interpreted_warmup():
 
 def test_warmup_runs_under_interpreter():
     out = run_interpreted("from tests import test_attention_warmup as t; t.interpreted_warmup()", timeout=300)
-    assert int(out.split()[-1]) == 2 * (7 * 2 + 5)   # two shapes x (decode 7 counts x 2 kinds + prefill 5)
+    # decode: 7 split counts x 2 kinds a shape; prefill: 5 counts, twice for the full layer (its large tiles)
+    assert int(out.split()[-1]) == (7 * 2 + 5 * 2) + (7 * 2 + 5)
 
 
 @pytest.mark.gpu
@@ -69,21 +70,26 @@ def test_no_compile_after_warmup_for_any_eager_split_plan():
 
 
 def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attention):
-    """A decode-only and a mixed launch of `num_seqs` rows at random contexts up to 8K."""
+    """A decode-only and a mixed launch of `num_seqs` rows at random contexts up to 8K, and
+    for full attention a mixed launch past the large-tile threshold."""
     window = getattr(layer.spec, "window", None)
     heads, kv_heads, dim, block = layer.num_heads, layer.num_kv_heads, layer.head_dim, 16
     contexts = [rng.randint(1, 8192) for _ in range(num_seqs)]
     queries = [1] * num_seqs
     queries[0] = min(contexts[0], rng.randint(2, 300))   # one prefill row in the mixed launch
+    batches = [[1] * num_seqs, queries]
+    if window is None:   # a step past the large-tile threshold (kernels/mixed.py)
+        contexts[0] = max(contexts[0], 4200)
+        batches.append([4200] + [1] * (num_seqs - 1))
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
     width = -(-max(contexts) // block)
     cache = torch.zeros(2, width + 1, block, kv_heads, dim, dtype=torch.bfloat16, device=device)
     table = torch.randint(1, width + 1, (num_seqs, width), dtype=torch.int32, device=device)
-    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    for lens in ([1] * num_seqs, queries):
+    for lens in batches:
         starts = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
         q = torch.randn(int(starts[-1]), heads, dim, dtype=torch.bfloat16, device=device)
         out = torch.empty_like(q)
-        if lens is queries:
+        if lens is not batches[0]:
             mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
                             window, 0)
         else:

@@ -214,6 +214,19 @@ def test_decode_fixed_split_counts(num_splits, fused_write):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("seqs", [MIXED, [(0, 4100), (0, 1), (300, 4000), (5000, 1)]], ids=["mixed", "large"])
+def test_large_eager_steps_tile_config(block_size, seqs):
+    """The 256-row tile config of large eager steps (kernels/mixed.py): exact on a mixed
+    batch, and chosen by mixed_attention itself for a step past its token threshold."""
+    from kvserve.attention.kernels.mixed import LARGE_TILES
+    config = LARGE_TILES if seqs is MIXED else None
+    for spec in (FullAttentionSpec(), SlidingWindowSpec(window=45)):
+        err = check_attention(seqs, spec, block_size, heads=32, kv_heads=8, prefill_config=config)
+        assert err < TOL, (spec, err)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [2, 5, 16])
 @pytest.mark.parametrize("spec", MIXED_SPECS, ids=lambda s: s.describe())
 def test_prefill_fixed_split_counts(num_splits, spec):
@@ -274,6 +287,12 @@ def interpreter_smoke() -> None:
                 err = check_attention(seqs, spec, block_size, heads=4, kv_heads=2, head_dim=16,
                                       device="cpu", dtype=torch.float16, fused_write=fused_write)
                 assert err < TOL, (seqs, spec, block_size, fused_write, err)
+    # The large eager steps' tile config (kernels/mixed.py), its 64-key tiles over 8- and 16-token pages.
+    from kvserve.attention.kernels.mixed import LARGE_TILES
+    for block_size in (8, 16):
+        err = check_attention(mixed + [(200, 70)], full, block_size, heads=4, kv_heads=2, head_dim=16,
+                              device="cpu", dtype=torch.float16, prefill_config=LARGE_TILES)
+        assert err < TOL, (block_size, err)
     # The varlen kernel's split-KV and its reduce. (4, 20): the second query tile's
     # last split starts past its first rows, which must merge it as weight 0.
     from kvserve.attention.kernels import PrefillConfig

@@ -19,6 +19,17 @@ from kvserve.attention.kernels.decode import decode_attention
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
 from kvserve.attention.metadata import PrefillTiles
 
+# An eager step of many prompt tokens (graphs keep the default: their tile tables are built
+# for it) runs 256-row tiles of 64 keys on 8 warps: 4-16% faster than the default at a served
+# 8K-token step's shapes on an H200 (2026-12-01, docs/BENCHMARKS.md), measured with full
+# attention only. Their shared memory needs a 2-byte cache and head_dim <= 128.
+LARGE_TILES = PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
+LARGE_TILES_MIN_TOKENS = 4096
+
+
+def takes_large_tiles(num_tokens: int, head_dim: int, element_size: int, window: int | None) -> bool:
+    return num_tokens >= LARGE_TILES_MIN_TOKENS and head_dim <= 128 and element_size == 2 and window is None
+
 
 def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor,
@@ -27,7 +38,11 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     prefill_config: PrefillConfig = PrefillConfig()) -> torch.Tensor:
     """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
     longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
-    are built for `prefill_config`'s query tile."""
+    are built for `prefill_config`'s query tile. Without tiles and a config of
+    its own, a large step takes LARGE_TILES."""
+    if tiles is None and prefill_config == PrefillConfig() \
+            and takes_large_tiles(q.shape[0], q.shape[-1], kv_cache.element_size(), window):
+        prefill_config = LARGE_TILES
     decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, max_seq_len,
                      scale, window, sink, single_only=True)
     return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens,

@@ -10,15 +10,19 @@ them from Triton's disk cache).
 
 Split counts are not specialised (`do_not_specialize` in both kernels), so one
 launch per variant class covers them all: direct or split, and for the reduces each
-power of two their split loads are padded to.
+power of two their split loads are padded to; the prefill kernel in both of its
+eager tile configs (kernels/mixed.py).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from kvserve.attention.backend import AttentionLayerInfo
 from kvserve.attention.kernels.decode import MAX_SPLITS as DECODE_MAX_SPLITS
 from kvserve.attention.kernels.decode import DecodeConfig, decode_attention
+from kvserve.attention.kernels.mixed import LARGE_TILES, LARGE_TILES_MIN_TOKENS, takes_large_tiles
 from kvserve.attention.kernels.prefill import MAX_SPLITS as PREFILL_MAX_SPLITS
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
 from kvserve.attention.triton_backend import mask_bounds
@@ -54,11 +58,15 @@ def _warm_shape(heads: int, kv_heads: int, head_dim: int, window: int | None, si
             decode_attention(*batch.args(decode=not single_only), batch.bound(config.split_block_n, num_splits),
                              scale, window, sink, config=config, new_kv=new_kv, single_only=single_only)
             launches += 1
-    for num_splits in split_counts(PREFILL_MAX_SPLITS):
-        prefill_attention(*batch.args(decode=False), PREFILL_QUERY, scale, window, sink,
-                          config=PrefillConfig(num_splits=num_splits), single_queries=False,
-                          max_seq_len=CONTEXT)
-        launches += 1
+    configs = [PrefillConfig()]
+    if takes_large_tiles(LARGE_TILES_MIN_TOKENS, head_dim, batch.kv_cache.element_size(), window):
+        configs.append(LARGE_TILES)   # a large eager step's (kernels/mixed.py)
+    for config in configs:
+        for num_splits in split_counts(PREFILL_MAX_SPLITS):
+            prefill_attention(*batch.args(decode=False), PREFILL_QUERY, scale, window, sink,
+                              config=replace(config, num_splits=num_splits), single_queries=False,
+                              max_seq_len=CONTEXT)
+            launches += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return launches
