@@ -2,11 +2,12 @@
 
 Triton compiles a kernel on the first launch of each variant (its constexprs and
 launch config). Graph capture compiles what its buckets use, but a step too large
-for any graph runs eagerly and plans its split counts from its own batch. The first
-such step with a new count then compiled mid-serving: a served H200 run stalled the
-host for 330-444 ms on three eager steps of a burst of long prompts. Launching each
-variant once on a tiny batch moves those compiles to start-up (later starts load
-them from Triton's disk cache).
+for any graph runs eagerly and plans its split counts from its own batch; the first
+such step with a variant not seen yet would compile it while requests wait (a
+fraction of a second to seconds each; the step trace's `jit_ms` column shows it).
+Launching each variant once on a tiny batch moves those compiles to start-up (later
+starts load them from Triton's disk cache). The host stalls of a served mixed burst
+(2026-12-01, docs/BENCHMARKS.md) were not compiles: their `jit_ms` was 0.
 
 Split counts are not specialised (`do_not_specialize` in both kernels), so one
 launch per variant class covers them all: direct or split, and for the reduces each
