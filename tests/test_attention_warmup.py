@@ -97,3 +97,28 @@ def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attent
             slots = torch.full((num_seqs,), -1, dtype=torch.int64, device=device)
             decode_attention(q, cache, out, table, starts, seq_lens, max(contexts), layer.scale, window, 0,
                              new_kv=(k, k, slots))
+
+
+@pytest.mark.parametrize("tokens, head_dim, dtype, window, tiles, given, large", [
+    (4096, 128, torch.bfloat16, None, None, None, True),
+    (4095, 128, torch.bfloat16, None, None, None, False),      # below the threshold
+    (8192, 256, torch.bfloat16, None, None, None, False),      # its shared memory does not fit
+    (8192, 128, torch.float32, None, None, None, False),
+    (8192, 128, torch.bfloat16, 4096, None, None, False),      # measured with full attention only
+    (8192, 128, torch.bfloat16, None, "tiles", None, False),   # a graph's tile table is built for the default
+    (8192, 128, torch.bfloat16, None, None, "fixed", False),   # a caller's own config stands
+])
+def test_large_eager_steps_take_the_large_tile_config(monkeypatch, tokens, head_dim, dtype, window, tiles,
+                                                      given, large):
+    pytest.importorskip("triton")
+    from kvserve.attention.kernels import mixed
+    from kvserve.attention.kernels.prefill import PrefillConfig
+    seen = {}
+    monkeypatch.setattr(mixed, "decode_attention", lambda *a, **k: None)
+    monkeypatch.setattr(mixed, "prefill_attention", lambda *a, config, **k: seen.setdefault("config", config))
+    q = torch.empty(tokens, 4, head_dim, dtype=dtype)
+    kv_cache = torch.empty(2, 1, 16, 1, head_dim, dtype=dtype)
+    extra = {} if given is None else {"prefill_config": PrefillConfig(num_splits=2)}
+    mixed.mixed_attention(q, kv_cache, q, None, None, None, tokens, tokens, 1.0, window, 0,
+                          tiles=tiles, **extra)
+    assert (seen["config"] is mixed.LARGE_TILES) == large
