@@ -136,7 +136,7 @@ def test_staging_ring_reuses_a_buffer_only_after_its_copy_and_grows_rarely():
         recorded = 0
         waited: list[int] = []
 
-        def record(self):
+        def record(self, stream=None):
             self.id, Event.recorded = Event.recorded, Event.recorded + 1
 
         def synchronize(self):

@@ -198,12 +198,13 @@ def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch
     host time. On the CPU there is nothing to transfer."""
     if device.type != "cuda":
         return parts
-    ring = _RINGS.get(parts[0].dtype)
+    key = (device, parts[0].dtype)
+    ring = _RINGS.get(key)
     if ring is None:
-        ring = _RINGS[parts[0].dtype] = StagingRing()
+        ring = _RINGS[key] = StagingRing()
     slot, buffer = ring.take(_starts(parts)[-1] * parts[0].element_size())
     on_device = pack(parts, into=buffer).to(device, non_blocking=True)
-    ring.copied(slot)
+    ring.copied(slot, torch.cuda.current_stream(device))   # the stream the copy was queued on
     return split_packed(on_device, parts)
 
 
@@ -237,14 +238,15 @@ class StagingRing:
             buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
         return slot, buffer
 
-    def copied(self, slot: int) -> None:
-        """The copy from `slot`'s buffer is queued: it may be rewritten once its event has passed."""
+    def copied(self, slot: int, stream=None) -> None:
+        """The copy from `slot`'s buffer is queued on `stream` (None: the current one): the
+        buffer may be rewritten once its event there has passed."""
         if self._events[slot] is None:
             self._events[slot] = self._event()
-        self._events[slot].record()
+        self._events[slot].record(stream)
 
 
-_RINGS: dict[torch.dtype, StagingRing] = {}
+_RINGS: dict[tuple[torch.device, torch.dtype], StagingRing] = {}   # one per device and dtype
 
 
 def pack(parts: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
