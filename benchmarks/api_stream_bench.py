@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import pickle
 import pstats
 import random
 import time
@@ -48,7 +49,6 @@ class SyntheticCore:
         self._task = asyncio.get_running_loop().create_task(self._run(on_outputs))
 
     def send(self, inputs: CoreInputs) -> None:
-        import pickle
         for job in inputs.adds:
             self._accepted.append(job.job_id)
             for r in job.requests:
@@ -149,6 +149,11 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=5.0, help="the synthetic core's step period")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
+    for name in ("concurrency", "requests", "tokens", "prompt_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.step_ms <= 0:
+        p.error(f"--step-ms must be above 0, got {args.step_ms}")
     from transformers import AutoTokenizer
     import kvserve.server.async_engine as async_engine
     from kvserve.server.app import build_app

@@ -72,4 +72,7 @@ async def main(chunks: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 20000))
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
+    if count < 1:
+        sys.exit(f"N (chunks a stream) must be at least 1, got {count}")
+    asyncio.run(main(count))

@@ -40,17 +40,23 @@ def advance(tokenizer: Any, state: DetokenizerState, token_ids: list[int]) -> st
 
 
 @lru_cache(maxsize=16)
-def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight from a fast tokenizer's
-    Rust backend when that gives the same text (no clean-up of tokenization spaces):
-    transformers' wrapper around that call cost ~3x the decode itself, twice per
-    streamed token (benchmarks/api_stream_bench.py)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
+def fast_backend(tokenizer: Any) -> Any:
+    """A fast tokenizer's Rust backend where decoding from it gives transformers' text
+    (no clean-up of tokenization spaces), else None: transformers' wrapper around that
+    call cost ~3x the decode itself, twice per streamed token (benchmarks/api_stream_bench.py)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        Tokenizer = None
-    if Tokenizer is not None and isinstance(backend, Tokenizer) \
-            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, Tokenizer) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend
+    return None
+
+
+def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, from the Rust backend where it can."""
+    backend = fast_backend(tokenizer)
+    if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
