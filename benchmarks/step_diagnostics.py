@@ -13,6 +13,8 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
+  python3 benchmarks/step_diagnostics.py mixedburst  # host ms per step while long prompts join 32 decodes,
+                                                    # with the caching allocator's cudaMalloc/free/retry counts
 MIN_SPLIT=N overrides the decode kernel's min_split_keys for the run.
 """
 import os
@@ -134,7 +136,70 @@ def decode24() -> None:
     print(f"decode24: {(times[129] - times[1]) / 128 * 1e3:.2f} ms/step (24 seqs x ~3.7K context)")
 
 
+ALLOC_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def alloc_counts() -> tuple[int, ...]:
+    stats = torch.cuda.memory.memory_stats_as_nested_dict()
+    return tuple(stats.get(name, 0) for name in ALLOC_COUNTERS)
+
+
+def mixed_burst() -> None:
+    """The served mixed burst's shape, offline: 32 requests decoding, then 12 prompts of ~7K tokens
+    join (one 8K-token step each, eager), twice; the second burst under torch.profiler. Per step:
+    host ms (the step less its wait for the step before), whether it ran eagerly, and the allocator's
+    counters over it; then the second burst's slowest host-side calls (CUDA runtime calls included:
+    a stream synchronisation, a pageable copy or a cudaFree/cudaHostAlloc waiting for the device
+    shows here by name)."""
+    from torch.profiler import ProfilerActivity, profile
+    from kvserve import LLM, SamplingParams
+    llm = LLM("dummy:qwen3-8b", max_model_len=8192, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              hf_overrides={"vocab_size": 49152})
+    engine, rng = llm.engine, random.Random(0)
+    free, total = torch.cuda.mem_get_info()
+    print(f"mixedburst: free {free / 2**30:.1f} of {total / 2**30:.1f} GiB after start-up, reserved by torch "
+          f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB")
+    short = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    for i in range(32):
+        engine.add_request(engine.make_request([rng.randrange(100, 40000) for _ in range(900)], short))
+    for _ in range(40):
+        engine.step()
+    rows = burst_steps(engine, rng, 0)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        rows += burst_steps(engine, rng, 1)
+    totals = [sum(r[4][k] for r in rows) for k in range(len(ALLOC_COUNTERS))]
+    print("over both bursts: " + ", ".join(f"{n} {t}" for n, t in zip(ALLOC_COUNTERS, totals)))
+    print("longest host ms: burst, host, wait, eager, (" + ", ".join(ALLOC_COUNTERS) + ")")
+    for r in sorted(rows, key=lambda r: -r[1])[:10]:
+        print(f"  {r[0]}  {r[1]:8.1f} {r[2]:8.1f}  {r[3]}  {r[4]}")
+    for burst in (0, 1):
+        eager = sorted(r[1] for r in rows if r[3] and r[0] == burst)
+        if eager:
+            print(f"burst {burst}: {len(eager)} eager steps, host ms p50 {eager[len(eager) // 2]:.1f} max {eager[-1]:.1f}")
+    print("burst 1, host calls by self CPU time (ms total, count):")
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
+    for e in events:
+        print(f"  {e.self_cpu_time_total / 1e3:9.1f} {e.count:7d}  {e.key[:70]}")
+
+
+def burst_steps(engine, rng: random.Random, burst: int) -> list:
+    """12 long prompts join the running decodes; 60 steps, each: (burst, host ms, wait ms, eager
+    forwards, allocator counter deltas)."""
+    from kvserve import SamplingParams
+    for i in range(12):
+        prompt = [rng.randrange(100, 40000) for _ in range(7000 + rng.randrange(900))]
+        engine.add_request(engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)))
+    rows = []
+    for _ in range(60):
+        eager, before, start = engine.runner.num_eager_forwards, alloc_counts(), time.perf_counter()
+        engine.step()
+        host = (time.perf_counter() - start - engine.last_wait_s) * 1e3
+        rows.append((burst, host, engine.last_wait_s * 1e3, engine.runner.num_eager_forwards - eager,
+                     [b - a for a, b in zip(before, alloc_counts())]))
+    return rows
+
+
 if __name__ == "__main__":
     patch_decode_config()
     what = sys.argv[1]
-    {"copy": copy_speed, "pcie": pcie, "decode24": decode24}.get(what, lambda: step_profile(what))()
+    {"copy": copy_speed, "pcie": pcie, "decode24": decode24, "mixedburst": mixed_burst}.get(what, lambda: step_profile(what))()

@@ -2,16 +2,19 @@
 # The serving comparison with vLLM 0.26.0 in one device lease, five calls back to back (the
 # vLLM bundle needs three calls to travel, ../shared/peers/vllm/README.md; the first two test
 # while the next part of the bundle waits):
-#   stage 1  carry [".vp1"]:                     GPU tests of the engine, its graphs and kernels; the
-#                                                prefill kernel's variants at a served step's shapes; a
-#                                                decode-step profile at ide-completion's served shape
+#   stage 1  carry [".vp1"]:                     GPU tests of the engine, its graphs and kernels; host
+#                                                stalls of a mixed burst (step_diagnostics.py mixedburst);
+#                                                with PROFILES=1 also the prefill kernel's variants at a
+#                                                served step's shapes and a decode-step profile at
+#                                                ide-completion's served shape
 #   stage 2  carry [".vp2", ".vp1b"]:            unpack vLLM; DeepSeek V4's graph and engine GPU tests;
-#                                                host microseconds per step at 32/128/256 running
+#                                                with PROFILES=1 host microseconds per step at 32/128/256
 #   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs (the rate
 #                                                sweep included), then its offline seed scenarios
 #   stage 4  carry [".dummy-qwen3-8b"]:          vLLM's serving runs (about 150 s of start-up)
-#   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's decode-step profile at ide's shape; its offline
-#                                                seed scenarios
+#   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's offline seed scenarios; with PROFILES=1 first its
+#                                                decode-step profile at ide's shape
+# PROFILES=1 (in every stage's command) runs the profiles too: about 5 more minutes of device time.
 # .vp1b holds the first part's last ~2 MB: with this repository's tree, the whole part passed the
 # 64 MiB a call may carry.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -45,8 +48,13 @@ pack() {  # a call brings back at most 8 files: the runs' JSON and server logs g
 case $stage in
   1)
     mkdir -p .vsite
-    TEST_SECONDS=400 gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py \
-      tests/test_triton_kernels.py tests/test_attention_warmup.py tests/test_batch_tables.py" "$OUT/gpu_tests_1.txt"
+    TEST_SECONDS=${TEST_SECONDS:-360} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
+      tests/test_prompt_logprobs.py tests/test_triton_kernels.py tests/test_attention_warmup.py \
+      tests/test_batch_tables.py" "$OUT/gpu_tests_1.txt"
+    # the served mixed burst's host stalls: allocator counters and the slowest host calls
+    PYTHONPATH=$PWD timeout 150 python3 benchmarks/step_diagnostics.py mixedburst 2>&1 \
+      | grep -v "^\[\|Warning\|warn" | tail -40 | tee "$OUT/mixedburst.txt"
+    [ "${PROFILES:-0}" = 1 ] || exit 0
     # the prefill kernel's variants at a served 8K-token step's shapes
     PYTHONPATH=$PWD timeout 150 python3 -m kvserve.bench.kernels --prefill-only | tee "$OUT/prefill_variants.txt"
     # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s: kernels and idle gaps
@@ -55,6 +63,7 @@ case $stage in
     cat .vp1/* .vp1b/* .vp2/* | xz -d -T8 | tar -x -C .vsite
     TEST_SECONDS=150 gpu_tests "tests/test_deepseek_v4_graphs.py tests/test_deepseek_v4_engine.py" \
       "$OUT/gpu_tests_2.txt"
+    [ "${PROFILES:-0}" = 1 ] || exit 0
     # host microseconds per step at 32/128/256 running (msgspec from vLLM's site)
     PYTHONPATH=$PWD:$PWD/.vsite timeout 120 python3 benchmarks/host_step_bench.py --model dummy:qwen3-8b \
       --device cuda --running 32,128,256 --steps 24 2>&1 | tail -12 | tee "$OUT/host_step.txt" ;;
@@ -70,7 +79,7 @@ case $stage in
     export PATH=$PWD/.vsite/bin:$PATH
     timeout 560 bash benchmarks/serve_load.sh vllm "$PWD/.dummy-qwen3-8b" "$runs"; pack vllm ;;
   5)
-    PYTHONPATH=$PWD:$PWD/.vsite timeout 200 python3 benchmarks/vllm_step_profile.py "$PWD/.dummy-qwen3-8b" \
+    [ "${PROFILES:-0}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 200 python3 benchmarks/vllm_step_profile.py "$PWD/.dummy-qwen3-8b" \
       2>&1 | grep -E "^vllm|^GPU|ms/step|Error" | tee "$OUT/vllm_ide24prof.txt"
     offline vllm 380 ;;
   *) echo "stage must be 1, 2, 3, 4 or 5"; exit 2 ;;

@@ -436,9 +436,9 @@ def test_the_step_trace_reader_names_a_bad_file_and_line(tmp_path, capsys):
     assert step_trace.main([str(other)]) == 1
     assert "is not a step trace" in capsys.readouterr().out
     cut = tmp_path / "cut.tsv"
-    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t0.0\t0.0\n2.0\t5.0\n")
+    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t0.0\t0.0\t0\t0\n2.0\t5.0\n")
     assert step_trace.main([str(cut)]) == 1
-    assert "line 3: 2 fields, expected 9" in capsys.readouterr().out
+    assert "line 3: 2 fields, expected 11" in capsys.readouterr().out
 
 
 def test_the_step_trace_times_garbage_collection_and_names_the_longest_host_steps(tmp_path):
@@ -460,8 +460,28 @@ def test_the_step_trace_times_garbage_collection_and_names_the_longest_host_step
     steps[3].update(step_ms=300.0, wait_ms=0.0, gc_ms=250.0, jit_ms=0.0)
     steps[5].update(step_ms=200.0, wait_ms=0.0)
     text = step_trace.summary(steps)
-    assert ("longest host ms: 300.0 at 0.02 s (decode/graph, 0 prompt, gc 250.0, jit 0.0), "
-            "200.0 at 0.03 s (decode/graph, 0 prompt, gc not traced, jit not traced)") in text
+    assert ("longest host ms: 300.0 at 0.02 s (decode/graph, 0 prompt, gc 250.0, jit 0.0, allocs not traced, "
+            "flushes not traced), 200.0 at 0.03 s (decode/graph, 0 prompt, gc not traced, jit not traced, "
+            "allocs not traced, flushes not traced)") in text
+
+
+def test_the_step_trace_counts_the_allocators_device_calls_per_step(tmp_path, monkeypatch):
+    """dev_allocs / alloc_syncs: the counters' growth over each step, charged to that step alone;
+    NaN without CUDA; a trace from before the columns reads them as NaN and its gc column stays."""
+    from kvserve.engine import step_trace
+    counters = {"num_device_alloc": 3, "num_device_free": 1, "num_alloc_retries": 0, "num_sync_all_streams": 2}
+    monkeypatch.setattr(step_trace.AllocCounter, "__init__", lambda self: None)
+    counter = step_trace.AllocCounter()
+    counter._stats, counter._last = (lambda: dict(counters)), (4, 2)
+    assert counter.take() == (0.0, 0.0)
+    counters.update(num_device_alloc=5, num_device_free=2, num_alloc_retries=1)
+    assert counter.take() == (3.0, 1.0) and counter.take() == (0.0, 0.0)
+    counter._stats = None
+    assert all(v != v for v in counter.take())
+    before = tmp_path / "before.tsv"
+    before.write_text(step_trace.ALLOC_HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t2.5\t0.0\n")
+    (step,) = step_trace.read(str(before))
+    assert step["gc_ms"] == 2.5 and step["dev_allocs"] != step["dev_allocs"]
 
 
 def test_the_step_trace_times_triton_compiles_and_keeps_other_hooks(monkeypatch, caplog):

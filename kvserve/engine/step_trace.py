@@ -4,7 +4,7 @@
 step to FILE (tab-separated, flushed every FLUSH_EVERY steps, so a killed
 server keeps nearly all of it):
 
-    start_s  step_ms  wait_ms  out_ms  rows  prompt_tokens  eager  gc_ms  jit_ms
+    start_s  step_ms  wait_ms  out_ms  rows  prompt_tokens  eager  gc_ms  jit_ms  dev_allocs  alloc_syncs
 
 - `step_ms`: `LLMEngine.step` (schedule, launch of step N+1, wait for step N,
   output processing);
@@ -19,7 +19,13 @@ server keeps nearly all of it):
   collection stalls the host); `jit_ms`: Triton compiling (or loading from its
   disk cache) a kernel variant first used in the step. Traces written before
   these columns read as NaN. A compile of more than SLOW_JIT_MS is also logged
-  with the kernel's name.
+  with the kernel's name;
+- `dev_allocs`: device memory calls PyTorch's caching allocator made in the
+  step (cudaMalloc and cudaFree, or their cuMem counterparts); `alloc_syncs`:
+  its cache flushes (a failed cudaMalloc retried, or all streams synchronised
+  to free cached blocks). A cudaFree waits for the device, so a step launched
+  while its predecessor runs stalls for it. NaN without CUDA; traces written
+  before these columns read as NaN too.
 
 `python -m kvserve.engine.step_trace FILE` prints percentiles per kind of
 launched step (decode only or mixed, graph or eager): the pipeline's time on
@@ -27,7 +33,7 @@ it (what a stream's inter-token latency is made of; `with_periods` says how it
 is read off the lines), the host's time to launch it, the wait, the output,
 and the steps with the longest host time (a stall names itself: garbage
 collection in `gc_ms`, a kernel compile in `jit_ms`, else a hidden
-synchronisation).
+synchronisation, which the allocator's columns may name).
 
 `KVSERVE_CORE_PROFILE=FILE` adds a cProfile of every step of the core's
 (`LLMEngine.step` and the output message), rewritten to FILE every
@@ -57,8 +63,10 @@ SYNC_CHECK_ENV = "KVSERVE_SYNC_CHECK"
 FLUSH_EVERY = 256
 PROFILE_EVERY = 2000
 SLOW_JIT_MS = 50.0
-HEADER = "start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\tgc_ms\tjit_ms\n"
-OLD_HEADER = HEADER.replace("\tgc_ms\tjit_ms", "")   # traces written before those columns
+HEADER = ("start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\tgc_ms\tjit_ms"
+          "\tdev_allocs\talloc_syncs\n")
+ALLOC_HEADER = HEADER.replace("\tdev_allocs\talloc_syncs", "")   # traces written before the allocator's columns
+OLD_HEADER = ALLOC_HEADER.replace("\tgc_ms\tjit_ms", "")        # ... and before gc and jit
 
 
 class GcClock:
@@ -121,6 +129,32 @@ class JitClock:
             self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._before, self._after
 
 
+class AllocCounter:
+    """The caching allocator's device calls and cache flushes since the last `take`, from
+    `torch.cuda.memory_stats`' event counters (read only while a trace is on)."""
+
+    CALLS = ("num_device_alloc", "num_device_free")
+    FLUSHES = ("num_alloc_retries", "num_sync_all_streams")
+
+    def __init__(self) -> None:
+        import torch
+        self._stats = torch.cuda.memory.memory_stats_as_nested_dict if torch.cuda.is_available() else None
+        self._last = self._read()
+
+    def _read(self) -> tuple[int, int]:
+        if self._stats is None:
+            return 0, 0
+        stats = self._stats()
+        return sum(stats.get(k, 0) for k in self.CALLS), sum(stats.get(k, 0) for k in self.FLUSHES)
+
+    def take(self) -> tuple[float, float]:
+        if self._stats is None:
+            return math.nan, math.nan
+        now, last = self._read(), self._last
+        self._last = now
+        return float(now[0] - last[0]), float(now[1] - last[1])
+
+
 def _triton_runtime_knobs():
     try:
         from triton import knobs
@@ -136,7 +170,7 @@ class StepTrace:
         self.path = path
         self._lines: list[str] = []
         self._num_eager = 0   # the runner's count of forwards run without a graph, at the last step
-        self._gc, self._jit = GcClock(), JitClock()
+        self._gc, self._jit, self._alloc = GcClock(), JitClock(), AllocCounter()
         with open(path, "w") as f:
             f.write(HEADER)
 
@@ -150,8 +184,10 @@ class StepTrace:
         rows, prompt = (len(launched.rows), engine.stats.last_prompt_tokens) if launched is not None else (0, 0)
         num_eager, self._num_eager = self._num_eager, engine.runner.num_eager_forwards
         eager = int(self._num_eager > num_eager)
+        allocs, syncs = self._alloc.take()
         self._lines.append(f"{start:.6f}\t{step_s * 1e3:.3f}\t{wait_s * 1e3:.3f}\t{out_s * 1e3:.3f}\t{rows}\t"
-                           f"{prompt}\t{eager}\t{self._gc.take_ms():.3f}\t{self._jit.take_ms():.3f}\n")
+                           f"{prompt}\t{eager}\t{self._gc.take_ms():.3f}\t{self._jit.take_ms():.3f}\t"
+                           f"{allocs:.0f}\t{syncs:.0f}\n")
         if len(self._lines) >= FLUSH_EVERY:
             self.flush()
 
@@ -218,9 +254,10 @@ def read(path: str) -> list[dict[str, float]]:
     """The trace's lines; a file that is not one is a ValueError naming it."""
     with open(path) as f:
         names = f.readline().split()
-        if names not in (HEADER.split(), OLD_HEADER.split()):
+        if names not in (HEADER.split(), ALLOC_HEADER.split(), OLD_HEADER.split()):
             raise ValueError(f"{path} is not a step trace: its header is {names}, expected {HEADER.split()}")
-        return [{"gc_ms": math.nan, "jit_ms": math.nan, **_parse(path, number, names, line)}
+        missing = dict.fromkeys(("gc_ms", "jit_ms", "dev_allocs", "alloc_syncs"), math.nan)
+        return [{**missing, **_parse(path, number, names, line)}
                 for number, line in enumerate(f, 2) if line.strip()]
 
 
@@ -285,15 +322,21 @@ def summary(steps: list[dict[str, float]]) -> str:
 
 
 def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:
-    """The steps whose launch took the host longest, with their garbage-collection and compile time."""
+    """The steps whose launch took the host longest, with their garbage-collection and compile time
+    and the allocator's device calls and flushes."""
     worst = sorted(steps, key=lambda s: -s["host_ms"])[:count]
     return ["longest host ms: " + ", ".join(
         f"{s['host_ms']:.1f} at {s['start_s']:.2f} s ({kind(s)}, {s['prompt_tokens']:.0f} prompt, "
-        f"gc {_ms(s['gc_ms'])}, jit {_ms(s['jit_ms'])})" for s in worst)] if worst else []
+        f"gc {_ms(s['gc_ms'])}, jit {_ms(s['jit_ms'])}, allocs {_count(s['dev_allocs'])}, "
+        f"flushes {_count(s['alloc_syncs'])})" for s in worst)] if worst else []
 
 
 def _ms(value: float) -> str:
     return "not traced" if math.isnan(value) else f"{value:.1f}"
+
+
+def _count(value: float) -> str:
+    return "not traced" if math.isnan(value) else f"{value:.0f}"
 
 
 def busy_segments(steps: list[dict[str, float]], min_idle_s: float = 1.0) -> list[list[dict[str, float]]]:
