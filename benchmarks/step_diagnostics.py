@@ -13,8 +13,8 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
-  python3 benchmarks/step_diagnostics.py mixedburst  # host ms per step while long prompts join 32 decodes,
-                                                    # with the caching allocator's cudaMalloc/free/retry counts
+  python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
+                                                    # the drain before long eager launches off and on
 MIN_SPLIT=N overrides the decode kernel's min_split_keys for the run.
 """
 import os
@@ -136,67 +136,59 @@ def decode24() -> None:
     print(f"decode24: {(times[129] - times[1]) / 128 * 1e3:.2f} ms/step (24 seqs x ~3.7K context)")
 
 
-ALLOC_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
-
-
-def alloc_counts() -> tuple[int, ...]:
-    stats = torch.cuda.memory.memory_stats_as_nested_dict()
-    return tuple(stats.get(name, 0) for name in ALLOC_COUNTERS)
-
-
 def mixed_burst() -> None:
     """The served mixed burst's shape, offline: 32 requests decoding, then 12 prompts of ~7K tokens
-    join (one 8K-token step each, eager), twice; the second burst under torch.profiler. Per step:
-    host ms (the step less its wait for the step before), whether it ran eagerly, and the allocator's
-    counters over it; then the second burst's slowest host-side calls (CUDA runtime calls included:
-    a stream synchronisation, a pageable copy or a cudaFree/cudaHostAlloc waiting for the device
-    shows here by name)."""
-    from torch.profiler import ProfilerActivity, profile
+    join (one 8K-token step each, eager); four bursts, the engine's drain before long eager launches
+    (`LLMEngine._drain_before_long_launch`) off, on, off, on. Per burst: the long steps' host ms
+    (the step less its waits), the decoding requests' gaps between tokens, the long prompts' time to
+    first token, and the burst's wall time (what draining costs the device)."""
     from kvserve import LLM, SamplingParams
     llm = LLM("dummy:qwen3-8b", max_model_len=8192, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               hf_overrides={"vocab_size": 49152})
     engine, rng = llm.engine, random.Random(0)
-    free, total = torch.cuda.mem_get_info()
-    print(f"mixedburst: free {free / 2**30:.1f} of {total / 2**30:.1f} GiB after start-up, reserved by torch "
-          f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB")
-    short = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
-    for i in range(32):
-        engine.add_request(engine.make_request([rng.randrange(100, 40000) for _ in range(900)], short))
+    bound = engine.runner.drain_above_tokens
+    short = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+    decoding = [engine.make_request([rng.randrange(100, 40000) for _ in range(900)], short) for _ in range(32)]
+    for request in decoding:
+        engine.add_request(request)
     for _ in range(40):
         engine.step()
-    rows = burst_steps(engine, rng, 0)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        rows += burst_steps(engine, rng, 1)
-    totals = [sum(r[4][k] for r in rows) for k in range(len(ALLOC_COUNTERS))]
-    print("over both bursts: " + ", ".join(f"{n} {t}" for n, t in zip(ALLOC_COUNTERS, totals)))
-    print("longest host ms: burst, host, wait, eager, (" + ", ".join(ALLOC_COUNTERS) + ")")
-    for r in sorted(rows, key=lambda r: -r[1])[:10]:
-        print(f"  {r[0]}  {r[1]:8.1f} {r[2]:8.1f}  {r[3]}  {r[4]}")
-    for burst in (0, 1):
-        eager = sorted(r[1] for r in rows if r[3] and r[0] == burst)
-        if eager:
-            print(f"burst {burst}: {len(eager)} eager steps, host ms p50 {eager[len(eager) // 2]:.1f} max {eager[-1]:.1f}")
-    print("burst 1, host calls by self CPU time (ms total, count):")
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
-    for e in events:
-        print(f"  {e.self_cpu_time_total / 1e3:9.1f} {e.count:7d}  {e.key[:70]}")
+    print(f"mixedburst: 32 decoding, 12 x ~7.4K-token prompts per burst; drain bound {bound} tokens")
+    print(f"{'drain':>6}{'long steps':>11}{'host p50':>9}{'host max':>9}{'ITL p50':>9}{'ITL p95':>9}{'ITL max':>9}"
+          f"{'TTFT mean':>10}{'TTFT max':>9}{'wall s':>8}")
+    for burst in range(4):
+        engine.runner.drain_above_tokens = bound if burst % 2 else None
+        print(burst_row(engine, rng, decoding, bool(burst % 2)))
 
 
-def burst_steps(engine, rng: random.Random, burst: int) -> list:
-    """12 long prompts join the running decodes; 60 steps, each: (burst, host ms, wait ms, eager
-    forwards, allocator counter deltas)."""
+def burst_row(engine, rng: random.Random, decoding: list, drain: bool) -> str:
+    """One burst: 12 long prompts join the running decodes; steps until they finish."""
     from kvserve import SamplingParams
+    start = time.perf_counter()
+    longs = []
     for i in range(12):
         prompt = [rng.randrange(100, 40000) for _ in range(7000 + rng.randrange(900))]
-        engine.add_request(engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)))
-    rows = []
-    for _ in range(60):
-        eager, before, start = engine.runner.num_eager_forwards, alloc_counts(), time.perf_counter()
-        engine.step()
-        host = (time.perf_counter() - start - engine.last_wait_s) * 1e3
-        rows.append((burst, host, engine.last_wait_s * 1e3, engine.runner.num_eager_forwards - eager,
-                     [b - a for a, b in zip(before, alloc_counts())]))
-    return rows
+        longs.append(engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
+        engine.add_request(longs[-1])
+    last = {r.request_id: start for r in decoding}
+    gaps, ttft, hosts = [], {}, []
+    while not all(r.is_finished for r in longs):
+        eager, t0 = engine.runner.num_eager_forwards, time.perf_counter()
+        touched = engine.step()
+        now = time.perf_counter()
+        if engine.runner.num_eager_forwards > eager:
+            hosts.append((now - t0 - engine.last_wait_s) * 1e3)
+        for r in touched:
+            if r.request_id in last:
+                gaps.append((now - last[r.request_id]) * 1e3)
+                last[r.request_id] = now
+            elif r in longs and r.request_id not in ttft:
+                ttft[r.request_id] = (now - start) * 1e3
+    hosts, gaps, firsts = sorted(hosts), sorted(gaps), list(ttft.values())
+    q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))] if v else float("nan")  # noqa: E731
+    return (f"{'on' if drain else 'off':>6}{len(hosts):>11}{q(hosts, .5):>9.1f}{q(hosts, 1):>9.1f}{q(gaps, .5):>9.1f}"
+            f"{q(gaps, .95):>9.1f}{q(gaps, 1):>9.1f}{sum(firsts) / max(len(firsts), 1):>10.0f}{max(firsts, default=0):>9.0f}"
+            f"{time.perf_counter() - start:>8.2f}")
 
 
 if __name__ == "__main__":

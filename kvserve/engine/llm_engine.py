@@ -21,7 +21,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.runner.model_runner import InFlightStep, StepResult
 from kvserve.runner.prompt_logprobs import PromptLogprobs
 from kvserve.runner.sampler import RequestFailed, SamplerOutput
-from kvserve.scheduler import row_request_id
+from kvserve.scheduler import SchedulerOutput, row_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,12 @@ class LLMEngine:
         scheduler, batch building, stop checks) overlaps device work. Returns
         the requests that got a new token.
         """
+        self.last_wait_s = 0.0
         out = self.scheduler.schedule()
+        drained = self._drain_before_long_launch(out)
         if out.is_empty:
             self.runner.copy_blocks(out.kv_copies)  # a swap-out with nothing scheduled
-            touched = self._finish_in_flight(None)
+            touched = drained + self._finish_in_flight(None)
             self._start_write_backs()
             return touched
         start = time.monotonic()
@@ -141,15 +143,31 @@ class LLMEngine:
         try:
             launched = self.runner.launch(out, tables, self._in_flight, self.prompt_logprobs)
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step
-            return self._on_step_error(e, [s.request for s in out.scheduled])
+            return drained + self._on_step_error(e, [s.request for s in out.scheduled])
         self._num_failed_steps = 0
         self.scheduler.update_after_step(out)
         for item in launched.rows:
             item.request.num_pending_tokens += 1
-        touched = self._finish_in_flight(launched)
+        touched = drained + self._finish_in_flight(launched)
         self._start_write_backs()
         self.stats.record_step(out, time.monotonic() - start)
         self._observe_rates()
+        return touched
+
+    def _drain_before_long_launch(self, out: SchedulerOutput) -> list[Request]:
+        """Before a step that runs eagerly with many tokens (`ModelRunner.drain_above_tokens`),
+        finish the step in flight and return the requests it gave a token. Such a launch
+        (~600 kernels) fills the device's launch queue: the host would block in it until
+        most of the step before had run, and only then read that step's tokens, a whole
+        long step late (the served mixed burst's 200-480 ms host stalls, all in such
+        launches). Finished first, the tokens go out as soon as they exist; the device
+        idles only while this step's first kernels are queued. Rows of requests that the
+        finished step stopped leave `out`."""
+        limit = self.runner.drain_above_tokens
+        if limit is None or out.decode is not None or self._in_flight is None or out.num_tokens <= limit:
+            return []
+        touched = self._finish_in_flight(None)
+        out.scheduled = [s for s in out.scheduled if not s.request.is_finished]
         return touched
 
     def _start_write_backs(self) -> None:
@@ -160,7 +178,6 @@ class LLMEngine:
     def _finish_in_flight(self, launched: InFlightStep | None) -> list[Request]:
         """Resolve the step in flight (if any) and make `launched` the new one."""
         previous, self._in_flight = self._in_flight, launched
-        self.last_wait_s = 0.0
         if previous is None:
             return []
         start = time.perf_counter()
@@ -168,7 +185,7 @@ class LLMEngine:
             result = previous.resolve()
         except Exception as e:  # its sampled tokens are lost: its rows cannot go on
             return self._on_step_error(e, [s.request for s in previous.rows])
-        self.last_wait_s = time.perf_counter() - start
+        self.last_wait_s += time.perf_counter() - start   # a step may drain first (`step`): both waits count
         return self._process(result)
 
     # -- fault isolation -----------------------------------------------------------

@@ -26,6 +26,10 @@ from kvserve.request import PENDING_TOKEN
 from kvserve.runner.sampler import PendingSample, Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput, row_request_id
 
+# Without mixed graphs, eager steps of more tokens than this resolve the step in flight first
+# (`ModelRunner.drain_above_tokens`); with them, their largest bucket is the bound.
+EAGER_DRAIN_TOKENS = 2048
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -79,6 +83,10 @@ class ModelRunner:
         self.mixed_graphs = None  # MixedGraphs, imported with Triton on capture
         self.kv_transfer: KVTransfer | None = None
         self.num_eager_forwards = 0  # forwards not served by a graph (tests compare with replays)
+        # Steps of more tokens run eagerly with every layer's kernels launched one by one (~600 for
+        # a 36-layer model): the engine resolves the step in flight before launching one
+        # (`LLMEngine.step`). None: never (CPU: nothing is queued).
+        self.drain_above_tokens: int | None = EAGER_DRAIN_TOKENS if device.type == "cuda" else None
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
@@ -111,6 +119,7 @@ class ModelRunner:
                                             max_model_len, max_num_seqs, max_num_batched_tokens,
                                             self.device)
             self.mixed_graphs.capture(pool)
+            self.drain_above_tokens = self.mixed_graphs.buckets[-1]
         self.graphs = DecodeGraphs(self.model, self.layout.num_groups, self.layout.block_size,
                                    max_model_len, max_num_seqs, self.device)
         self.graphs.capture(pool)
