@@ -25,7 +25,7 @@ from kvserve.model.deepseek_v4.loader import DUMMY_CONFIGS, DUMMY_PREFIX, dummy_
 from kvserve.model.deepseek_v4.paged import PagedSequenceKV
 from kvserve.request import Request
 from kvserve.runner.batch import ModelInputs, pad_tables, upload
-from kvserve.runner.model_runner import ModelRunner
+from kvserve.runner.model_runner import EAGER_DRAIN_TOKENS, ModelRunner
 from kvserve.runner.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import PreemptionCosts, ScheduledRequest, Scheduler, SchedulerOutput
@@ -67,6 +67,7 @@ class V4Runner(ModelRunner):
         self.graphs: V4Graphs | None = None
         self.mixed_graphs = None  # the generic runner's; V4 graphs serve mixed steps themselves
         self.kv_transfer, self.num_eager_forwards = None, 0
+        self.drain_above_tokens = EAGER_DRAIN_TOKENS if device.type == "cuda" else None  # as ModelRunner's
         config: DeepseekV4Config = model.config
         self.rates = {"csa": config.compress_rate(CSA), "hca": config.compress_rate(HCA)}
         model.place_rope_tables(device)
