@@ -127,8 +127,9 @@ class LLMEngine:
 
         Steps are pipelined one deep: step N+1 is scheduled and queued on the
         device before step N's sampled ids are read back, so host work (the
-        scheduler, batch building, stop checks) overlaps device work. Returns
-        the requests that got a new token.
+        scheduler, batch building, stop checks) overlaps device work; a long
+        eager step reads step N's ids before it launches instead
+        (`_drain_before_long_launch`). Returns the requests that got a new token.
         """
         self.last_wait_s = 0.0
         out = self.scheduler.schedule()
