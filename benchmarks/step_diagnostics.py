@@ -10,11 +10,11 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
   python3 benchmarks/step_diagnostics.py ide112prof  # decode profile, 112 x ~900 tokens, 16 per shared 700-token prefix
   python3 benchmarks/step_diagnostics.py ide24prof [VOCAB]  # the same at 24 x ~900 tokens, 3 per prefix (ide at
                                                     # 30 req/s); VOCAB 49152: the served directory's (vllm_step_profile.py)
+  python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
+                                                    # the drain before long eager launches off and on
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
-  python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
-                                                    # the drain before long eager launches off and on
 MIN_SPLIT=N overrides the decode kernel's min_split_keys for the run.
 """
 import os

@@ -2,8 +2,8 @@
 # The serving comparison with vLLM 0.26.0 in one device lease, five calls back to back (the
 # vLLM bundle needs three calls to travel, ../shared/peers/vllm/README.md; the first two test
 # while the next part of the bundle waits):
-#   stage 1  carry [".vp1"]:                     GPU tests of the engine, its graphs and kernels; host
-#                                                stalls of a mixed burst (step_diagnostics.py mixedburst);
+#   stage 1  carry [".vp1"]:                     GPU tests of the engine, its graphs and kernels; a
+#                                                mixed burst's stalls (step_diagnostics.py mixedburst);
 #                                                with PROFILES=1 also the prefill kernel's variants at a
 #                                                served step's shapes and a decode-step profile at
 #                                                ide-completion's served shape
@@ -15,6 +15,9 @@
 #   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's offline seed scenarios; with PROFILES=1 first its
 #                                                decode-step profile at ide's shape
 # PROFILES=1 (in every stage's command) runs the profiles too: about 5 more minutes of device time.
+# Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
+# one (a minute or more of device time) without .vp1: stage 2 then needs a call carrying .vp1
+# first (nothing else in it), then its own.
 # .vp1b holds the first part's last ~2 MB: with this repository's tree, the whole part passed the
 # 64 MiB a call may carry.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -51,7 +54,7 @@ case $stage in
     TEST_SECONDS=${TEST_SECONDS:-360} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
       tests/test_prompt_logprobs.py tests/test_triton_kernels.py tests/test_attention_warmup.py \
       tests/test_batch_tables.py" "$OUT/gpu_tests_1.txt"
-    # the served mixed burst's host stalls: allocator counters and the slowest host calls
+    # the served mixed burst offline: host ms, ITL and TTFT with the drain before long eager launches off and on
     PYTHONPATH=$PWD timeout 150 python3 benchmarks/step_diagnostics.py mixedburst 2>&1 \
       | grep -v "^\[\|Warning\|warn" | tail -40 | tee "$OUT/mixedburst.txt"
     [ "${PROFILES:-0}" = 1 ] || exit 0
