@@ -1,0 +1,53 @@
+"""Two engines' runs of one workload, request by request: mean TTFT by the second a request was
+sent in, and when the requests sent in the first SECONDS got their first tokens (a burst: whose
+prefill kept up). Both files are `kvserve bench serve --save-json` results of the same workload,
+seed and count, so request i is the same prompt in both.
+
+    python benchmarks/serve_compare_requests.py A.json B.json [SECONDS]
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["requests"]
+
+
+def by_second(a: list[dict], b: list[dict]) -> list[str]:
+    lines = ["| sent in second | requests | TTFT mean A ms | TTFT mean B ms |", "|---|---|---|---|"]
+    for second in sorted({int(r["sent_s"]) for r in a}):
+        pairs = [(x, y) for x, y in zip(a, b) if int(x["sent_s"]) == second and x["ok"] and y["ok"]]
+        if pairs:
+            lines.append(f"| {second} | {len(pairs)} | {statistics.mean(x['ttft_ms'] for x, _ in pairs):.0f} | "
+                         f"{statistics.mean(y['ttft_ms'] for _, y in pairs):.0f} |")
+    return lines
+
+
+def first_tokens(requests: list[dict], seconds: float) -> str:
+    done = sorted(r["sent_s"] + r["ttft_ms"] / 1e3 for r in requests if r["sent_s"] < seconds and r["ok"])
+    if not done:
+        return "no request sent in that time"
+    return (f"{len(done)} requests sent in the first {seconds:g} s: first tokens by p50 {done[len(done) // 2]:.2f} s, "
+            f"p90 {done[int(0.9 * len(done))]:.2f} s, last {done[-1]:.2f} s")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (2, 3):
+        print(__doc__)
+        return 2
+    a, b = load(argv[0]), load(argv[1])
+    if [r["prompt_tokens"] for r in a] != [r["prompt_tokens"] for r in b]:
+        print("error: the two runs did not send the same prompts (workload, seed or count differ)")
+        return 1
+    seconds = float(argv[2]) if len(argv) == 3 else 5.0
+    print("\n".join(by_second(a, b)))
+    print(f"A: {first_tokens(a, seconds)}\nB: {first_tokens(b, seconds)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
