@@ -11,6 +11,8 @@ import json
 import statistics
 import sys
 
+from kvserve.engine.step_trace import percentile
+
 
 def load(path: str) -> list[dict]:
     with open(path) as f:
@@ -31,8 +33,8 @@ def first_tokens(requests: list[dict], seconds: float) -> str:
     done = sorted(r["sent_s"] + r["ttft_ms"] / 1e3 for r in requests if r["sent_s"] < seconds and r["ok"])
     if not done:
         return "no request sent in that time"
-    return (f"{len(done)} requests sent in the first {seconds:g} s: first tokens by p50 {done[len(done) // 2]:.2f} s, "
-            f"p90 {done[int(0.9 * len(done))]:.2f} s, last {done[-1]:.2f} s")
+    return (f"{len(done)} requests sent in the first {seconds:g} s: first tokens by p50 {percentile(done, 0.5):.2f} s, "
+            f"p90 {percentile(done, 0.9):.2f} s, last {done[-1]:.2f} s")
 
 
 def main(argv: list[str]) -> int:

@@ -164,6 +164,7 @@ def mixed_burst() -> None:
 def burst_row(engine, rng: random.Random, decoding: list, drain: bool) -> str:
     """One burst: 12 long prompts join the running decodes; steps until they finish."""
     from kvserve import SamplingParams
+    from kvserve.engine.step_trace import percentile
     start = time.perf_counter()
     longs = []
     for i in range(12):
@@ -184,8 +185,8 @@ def burst_row(engine, rng: random.Random, decoding: list, drain: bool) -> str:
                 last[r.request_id] = now
             elif r in longs and r.request_id not in ttft:
                 ttft[r.request_id] = (now - start) * 1e3
-    hosts, gaps, firsts = sorted(hosts), sorted(gaps), list(ttft.values())
-    q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))] if v else float("nan")  # noqa: E731
+    firsts = list(ttft.values())
+    q = lambda v, p: percentile(v, p) if v else float("nan")  # noqa: E731
     return (f"{'on' if drain else 'off':>6}{len(hosts):>11}{q(hosts, .5):>9.1f}{q(hosts, 1):>9.1f}{q(gaps, .5):>9.1f}"
             f"{q(gaps, .95):>9.1f}{q(gaps, 1):>9.1f}{sum(firsts) / max(len(firsts), 1):>10.0f}{max(firsts, default=0):>9.0f}"
             f"{time.perf_counter() - start:>8.2f}")

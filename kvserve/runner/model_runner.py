@@ -27,7 +27,8 @@ from kvserve.runner.sampler import PendingSample, Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput, row_request_id
 
 # Without mixed graphs, eager steps of more tokens than this resolve the step in flight first
-# (`ModelRunner.drain_above_tokens`); with them, their largest bucket is the bound.
+# (`ModelRunner.drain_above_tokens`); with them, their largest bucket is the bound. The value is
+# mixed_graph.MAX_MIXED_GRAPH_TOKENS', not imported from there: that module loads Triton's kernels.
 EAGER_DRAIN_TOKENS = 2048
 
 
