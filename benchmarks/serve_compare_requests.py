@@ -15,8 +15,12 @@ from kvserve.engine.step_trace import percentile
 
 
 def load(path: str) -> list[dict]:
-    with open(path) as f:
-        return json.load(f)["requests"]
+    """A result file's per-request records; one that is not a result file is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            return json.load(f)["requests"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a `kvserve bench serve --save-json` result ({e!r})") from None
 
 
 def by_second(a: list[dict], b: list[dict]) -> list[str]:
@@ -41,7 +45,11 @@ def main(argv: list[str]) -> int:
     if len(argv) not in (2, 3):
         print(__doc__)
         return 2
-    a, b = load(argv[0]), load(argv[1])
+    try:
+        a, b = load(argv[0]), load(argv[1])
+    except (OSError, ValueError) as e:
+        print(f"error: {e}")
+        return 1
     if [r["prompt_tokens"] for r in a] != [r["prompt_tokens"] for r in b]:
         print("error: the two runs did not send the same prompts (workload, seed or count differ)")
         return 1
