@@ -311,6 +311,26 @@ def check_top_k_ties(block_size: int, device: str, seed: int, top_k=None) -> Non
     check_top_k_rows(out, scores, visible, 5)
 
 
+def check_top_k_candidates(device: str, k: int, positions: list[int], seed: int) -> None:
+    """Rows long enough for the group-maxima shortcut: distinct scores (the
+    candidates fit), rounded scores (ties inside the candidates), a row of one
+    value (the candidates overflow: the full passes), and short rows (too few
+    groups), against top_k_mask, with and without the shortcut."""
+    from kvserve.model.deepseek_v4 import kernels
+    gen = torch.Generator().manual_seed(seed)
+    case = PagedCase(v4_config("tiny", index_topk=k), [(p, 1) for p in positions], 16, torch.float32, device, gen)
+    width = max(positions) // 4 + 3
+    scores = torch.randn(len(positions), width, generator=gen)
+    scores[1] = scores[1].round(decimals=1)
+    scores[2] = -0.0
+    scores = scores.to(device)
+    visible = ref.visible_entries(case.batch.positions, width, 4)
+    for candidates in (True, False):
+        out = torch.full((len(positions), k), 777, dtype=torch.int32, device=device)
+        kernels.top_k_indices(scores, case.batch, 4, k, out, top_k_config(candidates=candidates))
+        check_top_k_rows(out, scores, visible, k)
+
+
 # ---- sparse attention ---------------------------------------------------------------------------
 
 def check_attention(kind: str, seqs, block_size: int, dtype: torch.dtype, device: str, seed: int,
@@ -491,6 +511,7 @@ def interpreter_checks() -> None:
             assert err < tol, ("attention", kind, block_size, dtype, err)
     check_top_k_ties(16, "cpu", 1)
     check_top_k_ties(16, "cpu", 2, top_k_config(radix_bits=4))
+    check_top_k_candidates("cpu", 8, [1000, 900, 700, 90, 31, 300], 4)
     for num_splits in (2, 5):  # split-KV: the sink in split 0, empty splits merge as nothing
         err = check_attention(HCA, CPU_HCA128, 16, torch.float32, "cpu", num_splits, num_splits=num_splits,
                               hca_rate=128, block_n=16, sliding_window=64)
@@ -589,14 +610,16 @@ def test_kernels_compile_for_sm90():
             "index_ptr", "seq_idx_ptr", "pos_ptr", "plan_ptr")}, {"RATE": rate, "PAGE_SIZE": 16, "IS_CSA": csa,
                                                                  "ROW_ALIGN": 16, "BLOCK": attention.PLAN_BLOCK}, 4,
                          1, ints)
-    compile_for_sm90(indexer._index_scores_kernel, common | {"q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32",
-                                                             "scores_ptr": "*fp32"},
-                     {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64,
-                      "DOT_PRECISION": "tf32"}, 4, 3, ints, frozenset({"scale"}))
-    compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
-                                             "pos_ptr": "*i64"},
-                     {"RATE": 4, "BLOCK": 8192, "BLOCK_K": 512, "BITS": indexer.TOP_K_CONFIG.radix_bits,
-                      "ONE_TILE": True}, 8)
+    for key_rows in (True, False):
+        compile_for_sm90(indexer._index_scores_kernel, common | {
+            "q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32", "scores_ptr": "*fp32"},
+            {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64, "DOT_PRECISION": "tf32",
+             "KEY_ROWS": key_rows}, 4, 3, ints, frozenset({"scale"}))
+    for group, block_g, cand in ((0, 1, 1), (16, 2048, 2048)):
+        compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
+                                                 "pos_ptr": "*i64", "scratch_ptr": "*i32"},
+                         {"RATE": 4, "BLOCK": 16384, "BLOCK_K": 512, "BITS": indexer.TOP_K_CONFIG.radix_bits,
+                          "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand, "COMPACT": 4096}, 16)
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {
             "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
@@ -670,6 +693,7 @@ def test_indexer_gpu(block_size):
 def test_top_k_ties_gpu():
     check_top_k_ties(16, "cuda", 0)
     check_top_k_ties(16, "cuda", 1, top_k_config(radix_bits=4))
+    check_top_k_candidates("cuda", 512, [131071, 70000, 65536, 9000, 32768, 2047], 6)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,14 @@ many bits' bins; a row of one tile stays in registers across the passes)
 finds the k-th largest score T; the chosen entries are those above T plus the earliest ones
 equal to T, as the stable sort of `v4_torch_ref.top_k_mask` chooses. Indices are
 written in ascending entry order, -1 after them; every row is fully written.
+
+Long rows take a shortcut first (`TopKConfig.candidates`): the row's maxima
+over groups of G entries bound T from below (the k largest maxima are k
+distinct entries, so T >= the k-th largest maximum L). Entries >= L are few
+(about k plus the runners-up inside the k best groups), so one pass compacts
+them, in entry order, into a buffer of `groups_per_k` x k and the radix passes run on that
+tile in registers: two passes over the row instead of one per radix digit.
+A row whose candidates overflow the buffer (heavy ties) takes the full passes.
 """
 from __future__ import annotations
 
@@ -25,11 +33,16 @@ from kvserve.attention.kernels.common import dot_precision
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry_rows, sm_count
 
 SCORE_BUFFER_BYTES = 256 << 20  # score rows scored per launch pair, at most (one row: one token)
+# Scores a compaction step takes per thread: 32 crash Triton 3.6's LLVM (an SLP vectorizer assertion).
+COMPACT_PER_THREAD = 8
 
 
 @dataclass(frozen=True)
 class ScoreConfig:
     block_e: int = 64        # keys per score tile
+    # The tile's dot as keys x heads: the sum over heads then stays inside a
+    # thread's quad (heads x keys sums across the warps, through shared memory).
+    key_rows: bool = True
     waves: int = 4           # score programs: about this many waves over the SMs
     num_warps: int = 4
     num_stages: int = 3
@@ -44,11 +57,14 @@ class TopKConfig:
     radix_bits: int = 8      # bits a radix pass resolves (BINS = 2**bits histogram bins)
     max_tile: int = 16384    # scores per tile: a row up to this long is one tile, read once into registers
     num_warps: int | None = None  # None: a warp per 1,024 scores of the tile, 4 to 16
+    candidates: bool = True  # rows of >= 8k entries: bound T by group maxima, radix over the candidates
+    groups_per_k: int = 4    # the shortcut's group maxima (and candidate buffer): this many times k
 
     def __post_init__(self) -> None:
-        if self.radix_bits not in (2, 4, 8) or self.max_tile < 1024 or self.max_tile & (self.max_tile - 1):
-            raise ValueError(f"TopKConfig needs radix_bits in (2, 4, 8) and a power-of-two max_tile >= 1024, "
-                             f"got {self}")
+        if self.radix_bits not in (2, 4, 8) or self.max_tile < 1024 or self.max_tile & (self.max_tile - 1) or \
+                self.groups_per_k < 2:
+            raise ValueError(f"TopKConfig needs radix_bits in (2, 4, 8), a power-of-two max_tile >= 1024 and "
+                             f"groups_per_k >= 2, got {self}")
 
 
 # The configs the kernels run when the caller passes none (edit from
@@ -62,7 +78,7 @@ def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_
                          key_width, table_ptr, stride_table, scores_ptr, stride_st, seq_idx_ptr, pos_ptr,
                          num_heads, chunk, scale, RATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, KEY_ROWS: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -84,8 +100,13 @@ def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_
         valid = e < end
         rows = entry_rows(table_row, e, valid, unit, key_offset, key_width, RATE, PAGE_SIZE)
         k = tl.load(storage_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale
-        tl.store(score_row + e, tl.sum(s * weights[:, None], 0), mask=valid)
+        if KEY_ROWS:
+            s = tl.maximum(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), 0.0) * scale
+            score = tl.sum(s * weights[None, :], 1)
+        else:
+            s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale
+            score = tl.sum(s * weights[:, None], 0)
+        tl.store(score_row + e, score, mask=valid)
 
 
 @triton.jit
@@ -116,41 +137,143 @@ def _row_keys(score_row, e0, num_entries, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _radix_step(hist, want, prefix, high, shift, BITS: tl.constexpr):
+    """Fix the digit at `shift` from its histogram: (want, prefix, high, done)."""
+    digit, above, in_bin = _pick_digit(hist, want, 1 << BITS)
+    want -= above
+    prefix |= digit.to(tl.uint32) << shift
+    high |= tl.full([], (1 << BITS) - 1, tl.uint32) << shift
+    return want, prefix, high, want == in_bin
+
+
+@triton.jit
+def _radix_tile(key, valid, k, BITS: tl.constexpr):
+    """(T, high, n) as _radix_threshold, over one tile of keys held in registers."""
+    BINS: tl.constexpr = 1 << BITS
+    prefix = tl.zeros([], tl.uint32)
+    high = tl.zeros([], tl.uint32)
+    want = k
+    done = k <= 0
+    for shift in tl.static_range(32 - BITS, -BITS, -BITS):
+        if not done:
+            match = valid & ((key & high) == prefix)
+            hist = tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
+            want, prefix, high, done = _radix_step(hist, want, prefix, high, shift, BITS)
+    return prefix, high, want
+
+
+@triton.jit
 def _radix_threshold(score_row, num_entries, k, BLOCK: tl.constexpr, BITS: tl.constexpr,
                      ONE_TILE: tl.constexpr):
     """(T, high, n): the top k are the keys whose bits under `high` exceed T,
     then the first n whose bits under `high` equal T. Passes of BITS bits stop
     once the bin holding the k-th key is taken whole (with distinct scores,
     usually before the last digit). ONE_TILE: the row fits one tile, loaded once."""
-    BINS: tl.constexpr = 1 << BITS
-    prefix = tl.zeros([], tl.uint32)
-    high = tl.zeros([], tl.uint32)  # bits of the key fixed so far
-    want = k
-    done = k <= 0
     if ONE_TILE:
         key, valid = _row_keys(score_row, 0, num_entries, BLOCK)
+        return _radix_tile(key, valid, k, BITS)
+    BINS: tl.constexpr = 1 << BITS
+    prefix = tl.zeros([], tl.uint32)
+    high = tl.zeros([], tl.uint32)
+    want = k
+    done = k <= 0
     for shift in tl.static_range(32 - BITS, -BITS, -BITS):
         if not done:
-            if ONE_TILE:
-                match = valid & ((key & high) == prefix)
-                hist = tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
-            else:
-                hist = tl.zeros([BINS], tl.int32)
-                for e0 in range(0, num_entries, BLOCK):
-                    tile, in_row = _row_keys(score_row, e0, num_entries, BLOCK)
-                    match = in_row & ((tile & high) == prefix)
-                    hist += tl.histogram(((tile >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
-            digit, above, in_bin = _pick_digit(hist, want, BINS)
-            want -= above
-            prefix |= digit.to(tl.uint32) << shift
-            high |= tl.full([], BINS - 1, tl.uint32) << shift
-            done = want == in_bin
+            hist = tl.zeros([BINS], tl.int32)
+            for e0 in range(0, num_entries, BLOCK):
+                tile, in_row = _row_keys(score_row, e0, num_entries, BLOCK)
+                match = in_row & ((tile & high) == prefix)
+                hist += tl.histogram(((tile >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=match)
+            want, prefix, high, done = _radix_step(hist, want, prefix, high, shift, BITS)
     return prefix, high, want
 
 
 @triton.jit
-def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, RATE: tl.constexpr,
-                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr):
+def _choose(key, valid, threshold, high, num_equal, equal_before):
+    """Of one tile: the keys above the threshold and the first `num_equal -
+    equal_before` equal to it; (chosen, how many equal to it)."""
+    key &= high
+    equal = (valid & (key == threshold)).to(tl.int32)
+    equal_rank = equal_before + tl.cumsum(equal, 0) - 1
+    chosen = (valid & (key > threshold)) | ((equal == 1) & (equal_rank < num_equal))
+    return chosen, tl.sum(equal, 0)
+
+
+@triton.jit
+def _store_chosen(out_row, taken, entries, chosen):
+    """Append the chosen entries of a tile at out_row[taken:]; the new count."""
+    slot = taken + tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(out_row + slot, entries, mask=chosen)
+    return taken + tl.sum(chosen.to(tl.int32), 0)
+
+
+@triton.jit
+def _group_bound(score_row, max_row, num_entries, num_groups, k, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BITS: tl.constexpr):
+    """A key <= the row's k-th largest: the top digits of the k-th largest of
+    the maxima over groups of GROUP entries (written to max_row, read back)."""
+    for e0 in range(0, num_entries, BLOCK):  # maxima of the scores (float: order as their keys)
+        e = e0 + tl.arange(0, BLOCK)
+        score = tl.load(score_row + e, mask=e < num_entries, other=float("-inf"))
+        group_max = _sortable(tl.max(tl.reshape(score, [BLOCK // GROUP, GROUP]), 1))
+        g = e0 // GROUP + tl.arange(0, BLOCK // GROUP)
+        tl.store(max_row + g, group_max.to(tl.int32, bitcast=True), mask=g < num_groups)
+    tl.debug_barrier()  # the maxima are read back by other threads of the program
+    g = tl.arange(0, BLOCK_G)
+    maxima = tl.load(max_row + g, mask=g < num_groups, other=0).to(tl.uint32, bitcast=True)
+    bound, _, _ = _radix_tile(maxima, g < num_groups, k, BITS)
+    return bound
+
+
+@triton.jit
+def _compact_candidates(score_row, cand_key_row, cand_idx_row, num_entries, bound, BLOCK: tl.constexpr,
+                        CAND: tl.constexpr):
+    """Store the entries whose keys are >= bound, in entry order (at most CAND
+    of them); returns how many there are (more than CAND: not all stored)."""
+    count = tl.zeros([], tl.int32)
+    for e0 in range(0, num_entries, BLOCK):
+        key, valid = _row_keys(score_row, e0, num_entries, BLOCK)
+        is_cand = valid & (key >= bound)
+        slot = count + tl.cumsum(is_cand.to(tl.int32), 0) - 1
+        keep = is_cand & (slot < CAND)
+        tl.store(cand_key_row + slot, key.to(tl.int32, bitcast=True), mask=keep)
+        tl.store(cand_idx_row + slot, (e0 + tl.arange(0, BLOCK)).to(tl.int32), mask=keep)
+        count += tl.sum(is_cand.to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _top_k_of_candidates(cand_key_row, cand_idx_row, out_row, count, k, BITS: tl.constexpr, CAND: tl.constexpr):
+    """The row's top k from its `count` (<= CAND) compacted candidates."""
+    tl.debug_barrier()  # the candidates were stored by other threads of the program
+    j = tl.arange(0, CAND)
+    valid = j < count
+    key = tl.load(cand_key_row + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
+    entries = tl.load(cand_idx_row + j, mask=valid, other=0)
+    threshold, high, num_equal = _radix_tile(key, valid, k, BITS)
+    chosen, _ = _choose(key, valid, threshold, high, num_equal, 0)
+    _store_chosen(out_row, 0, entries, chosen)
+
+
+@triton.jit
+def _top_k_full(score_row, out_row, num_entries, k, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                ONE_TILE: tl.constexpr):
+    """The row's top k by radix passes over the whole row."""
+    threshold, high, num_equal = _radix_threshold(score_row, num_entries, k, BLOCK, BITS, ONE_TILE)
+    taken = tl.zeros([], tl.int32)
+    equal_before = tl.zeros([], tl.int32)
+    for e0 in range(0, num_entries, BLOCK):
+        key, valid = _row_keys(score_row, e0, num_entries, BLOCK)
+        chosen, num_eq = _choose(key, valid, threshold, high, num_equal, equal_before)
+        taken = _store_chosen(out_row, taken, (e0 + tl.arange(0, BLOCK)).to(tl.int32), chosen)
+        equal_before += num_eq
+
+
+@triton.jit
+def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, scratch_ptr, stride_scratch,
+                  RATE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
+                  ONE_TILE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAND: tl.constexpr,
+                  COMPACT: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -162,20 +285,20 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
             tl.store(out_row + j, tl.where(j < num_entries, j, -1).to(tl.int32), mask=j < k)
         return
     score_row = scores_ptr + t.to(tl.int64) * stride_st
-    threshold, high, num_equal = _radix_threshold(score_row, num_entries, k, BLOCK, BITS, ONE_TILE)
-    taken = tl.zeros([], tl.int32)
-    equal_before = tl.zeros([], tl.int32)
-    for e0 in range(0, num_entries, BLOCK):
-        e = e0 + tl.arange(0, BLOCK)
-        key, valid = _row_keys(score_row, e0, num_entries, BLOCK)
-        key &= high
-        equal = (valid & (key == threshold)).to(tl.int32)
-        equal_rank = equal_before + tl.cumsum(equal, 0) - 1
-        chosen = (valid & (key > threshold)) | ((equal == 1) & (equal_rank < num_equal))
-        slot = taken + tl.cumsum(chosen.to(tl.int32), 0) - 1
-        tl.store(out_row + slot, e.to(tl.int32), mask=chosen)
-        taken += tl.sum(chosen.to(tl.int32), 0)
-        equal_before += tl.sum(equal, 0)
+    full = num_entries > k  # (true here) cleared once the candidate shortcut has written the row
+    if GROUP > 0:  # scratch row: BLOCK_G group maxima, then CAND candidate keys and CAND entries
+        num_groups = (num_entries + GROUP - 1) // GROUP
+        if num_groups >= k:
+            scratch_row = scratch_ptr + t.to(tl.int64) * stride_scratch
+            bound = _group_bound(score_row, scratch_row, num_entries, num_groups, k, BLOCK, GROUP, BLOCK_G, BITS)
+            count = _compact_candidates(score_row, scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND,
+                                        num_entries, bound, COMPACT, CAND)
+            full = count > CAND
+            if count <= CAND:
+                _top_k_of_candidates(scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND, out_row, count, k,
+                                     BITS, CAND)
+    if full:
+        _top_k_full(score_row, out_row, num_entries, k, BLOCK, BITS, ONE_TILE)
 
 
 def _score_chunk(num_tokens: int, max_entries: int, device: torch.device, config: ScoreConfig) -> int:
@@ -208,8 +331,16 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col:
         keys.offset + key_col, keys.width, keys.table, keys.table.stride(0), scores, scores.stride(0),
         batch.seq_idx, batch.positions, num_heads, chunk, head_dim ** -0.5, RATE=rate, PAGE_SIZE=batch.block_size,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_E=config.block_e,
-        DOT_PRECISION=dot_precision(batch.storage.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+        DOT_PRECISION=dot_precision(batch.storage.dtype), KEY_ROWS=config.key_rows, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return scores
+
+
+def _candidate_group(max_entries: int, k: int, block: int, groups_per_k: int) -> int:
+    """Entries per group of the candidate shortcut: about groups_per_k x k
+    groups in the longest row (0: rows too short for it to pay)."""
+    group = 1 << max(0, (max_entries // (groups_per_k * k)).bit_length() - 1)
+    return min(group, block) if group >= 2 else 0
 
 
 def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, out: torch.Tensor,
@@ -224,10 +355,16 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
     max_entries = max(1, batch.max_seq_len // rate)
     block = min(config.max_tile, max(1024, triton.next_power_of_2(max_entries)))
     num_warps = config.num_warps or max(4, min(16, block // 1024))
+    group = _candidate_group(max_entries, k, block, config.groups_per_k) if config.candidates else 0
+    block_g = triton.next_power_of_2(triton.cdiv(max_entries, group)) if group else 1
+    cand = triton.next_power_of_2(config.groups_per_k * k) if group else 1
+    scratch = torch.empty(batch.num_tokens if group else 1, block_g + 2 * cand, dtype=torch.int32,
+                          device=scores.device)
     _top_k_kernel[(batch.num_tokens,)](
-        scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, RATE=rate, BLOCK=block,
-        BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits, ONE_TILE=block >= max_entries,
-        num_warps=num_warps)
+        scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, scratch, scratch.stride(0),
+        RATE=rate, BLOCK=block, BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits,
+        ONE_TILE=block >= max_entries, GROUP=group, BLOCK_G=block_g, CAND=cand,
+        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), num_warps=num_warps)
     return out
 
 
