@@ -13,9 +13,6 @@ the kernel's own scores, exact); a variant that mismatches or fails to
 compile is reported, not timed. Then:
   * the sparse decode path (index scores + top-k + CSA attention) with the
     old configs (the previous defaults) and the kernels' current defaults;
-  * scores with the indexer keys of a block side by side after its entries
-    (a layout under trial; the engine interleaves entry and key per entry),
-    and the best path with that layout;
   * a grid per kernel: attention (inline / planned / prefetch rows, BLOCK_N,
     num_warps, num_stages, heads per program, splits), scores (tile, waves,
     warps, stages), top-k (radix bits, warps, tile);
@@ -86,8 +83,6 @@ class DecodePages:
                                   context)
         self.sliding = PageRef(sliding, 0, B, D)
         self.csa = PageRef(csa, 0, B // CSA_RATE, D + DI)
-        # The layout under trial: a block's entries first, then their indexer keys side by side.
-        self.split_keys = PageRef(csa, (B // CSA_RATE) * D, B // CSA_RATE, DI)
         self.hca = PageRef(hca, 0, max(1, B // HCA_RATE), D)
         g = torch.Generator(device=DEVICE).manual_seed(0)
         self.q = torch.randn(batch, H, D, generator=g, device=DEVICE, dtype=DTYPE) * (8 / D) ** 0.5
@@ -98,9 +93,8 @@ class DecodePages:
         self.indices = torch.empty(batch, TOPK, dtype=torch.int32, device=DEVICE)
         self.out = torch.empty_like(self.q)
 
-    def index_scores(self, config: ScoreConfig | None = None, split: bool = False) -> None:
-        keys, col = (self.split_keys, 0) if split else (self.csa, D)
-        kernels.index_scores(self.q_index, self.weights, keys, col, self.batch, CSA_RATE, self.scores, config)
+    def index_scores(self, config: ScoreConfig | None = None) -> None:
+        kernels.index_scores(self.q_index, self.weights, self.csa, D, self.batch, CSA_RATE, self.scores, config)
 
     def top_k(self, config: TopKConfig | None = None) -> None:
         kernels.top_k_indices(self.scores, self.batch, CSA_RATE, TOPK, self.indices, config)
@@ -111,7 +105,7 @@ class DecodePages:
                                  self.batch, self.out, config)
 
     def csa_step(self, configs: "PathConfigs") -> None:
-        self.index_scores(configs.scores, configs.split_keys)
+        self.index_scores(configs.scores)
         self.top_k(configs.top_k)
         self.attend("csa", configs.attention)
 
@@ -158,11 +152,10 @@ class Reference:
             out[t] = ref.sink_attention(p.q[t:t + 1].float(), keys, mask[t:t + 1], p.sinks, D ** -0.5)[0]
         return out
 
-    def scores(self, tokens: list[int], split: bool = False) -> torch.Tensor:
+    def scores(self, tokens: list[int]) -> torch.Tensor:
         p, count = self.pages, self.context // CSA_RATE
-        page, col = (p.split_keys, 0) if split else (p.csa, D)
-        rows = self._entry_rows(page, torch.arange(count, device=DEVICE)[None, :], CSA_RATE)
-        return torch.stack([ref.index_scores(p.q_index[t:t + 1].float(), self._gather(rows[t] + col, DI),
+        rows = self._entry_rows(p.csa, torch.arange(count, device=DEVICE)[None, :], CSA_RATE)
+        return torch.stack([ref.index_scores(p.q_index[t:t + 1].float(), self._gather(rows[t] + D, DI),
                                              p.weights[t:t + 1])[0] for t in tokens])
 
     def top_k(self) -> list[list[int]]:
@@ -193,7 +186,6 @@ class PathConfigs:
     scores: ScoreConfig | None = None
     top_k: TopKConfig | None = None
     attention: SparseAttentionConfig | None = None
-    split_keys: bool = False  # indexer keys laid out side by side (the layout under trial)
 
 
 def csa_bytes(batch: int, context: int, with_indexer: bool = True) -> int:
@@ -223,6 +215,7 @@ def old_attention(batch: int, context: int, kind: str) -> SparseAttentionConfig:
 
 
 OLD_TOP_K = TopKConfig(candidates=False)  # the previous top-k (8-bit passes over the whole row)
+OLD_SCORES = ScoreConfig(key_rows=False)  # the previous scores (heads x keys)
 
 
 def attention_grid(batch: int, quick: bool) -> list[SparseAttentionConfig]:
@@ -284,11 +277,11 @@ class Shape:
             self.best[kernel] = (ms, config)
         return ms
 
-    def check_scores(self, run, split: bool = False) -> str | None:
+    def check_scores(self, run) -> str | None:
         self.pages.scores.fill_(float("nan"))
         run()
         count, tokens = self.context // CSA_RATE, sorted({0, self.batch // 2, self.batch - 1})
-        err = _rel_err(self.pages.scores[tokens, :count], self.ref.scores(tokens, split))
+        err = _rel_err(self.pages.scores[tokens, :count], self.ref.scores(tokens))
         return None if err < SCORE_TOL else f"rel err {err:.2e}"
 
     def check_top_k(self, run) -> str | None:
@@ -317,9 +310,6 @@ def bench_shape(shape: Shape, quick: bool, no_attention_grid: bool = False) -> d
     p.top_k()
     for config in score_grid(quick):
         shape._time("scores", config, lambda: p.index_scores(config), shape.check_scores, score_bytes(b, c))
-    for config in score_grid(True):  # the keys of a block side by side: is the interleaved layout the bound?
-        shape._time("scores/split", config, lambda: p.index_scores(config, split=True),
-                    lambda run: shape.check_scores(run, split=True), score_bytes(b, c))
     p.index_scores()
     for config in top_k_grid(quick):
         shape._time("top-k", config, lambda: p.top_k(config), shape.check_top_k, 0)
@@ -332,11 +322,9 @@ def bench_shape(shape: Shape, quick: bool, no_attention_grid: bool = False) -> d
         shape._time("hca", config, lambda: p.attend("hca", config), lambda run: shape.check_attention("hca", run),
                     hca_bytes(b, c))
     shape.best.pop("hca", None)
-    paths = {"old": PathConfigs(ScoreConfig(), OLD_TOP_K, old_attention(b, c, "csa")),
+    paths = {"old": PathConfigs(OLD_SCORES, OLD_TOP_K, old_attention(b, c, "csa")),
              "default": PathConfigs(),
-             "best": PathConfigs(*(shape.best.get(k, (0, None))[1] for k in ("scores", "top-k", "attention"))),
-             "split": PathConfigs(*(shape.best.get(k, (0, None))[1] for k in ("scores/split", "top-k", "attention")),
-                                  split_keys=True)}
+             "best": PathConfigs(*(shape.best.get(k, (0, None))[1] for k in ("scores", "top-k", "attention")))}
     timings = {}
     for name, configs in paths.items():
         ms = _ms(lambda: p.csa_step(configs))
@@ -346,12 +334,11 @@ def bench_shape(shape: Shape, quick: bool, no_attention_grid: bool = False) -> d
 
 
 def best_table(rows: list[tuple[Shape, dict]], copy_gbs: float) -> None:
-    print("\n| shape | scores (best) | scores, keys side by side (best) | top-k (best) | attention (best) | path old "
-          "| path default | path best | path best, keys side by side |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | scores (best) | top-k (best) | attention (best) | path old | path default | path best |")
+    print("|---|---|---|---|---|---|---|")
     for shape, paths in rows:
         cells = []
-        for kernel in ("scores", "scores/split", "top-k", "attention"):
+        for kernel in ("scores", "top-k", "attention"):
             ms, config = shape.best.get(kernel, (float("nan"), None))
             cells.append(f"{1e3 * ms:.1f} us `{describe(config)}`")
         total = csa_bytes(shape.batch, shape.context)
