@@ -32,7 +32,7 @@ import triton.language as tl
 from kvserve.attention.kernels.common import dot_precision
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry_rows, sm_count
 
-SCORE_BUFFER_BYTES = 256 << 20  # score rows scored per launch pair, at most (one row: one token)
+SCORE_BUFFER_BYTES = 256 << 20  # score rows (+ the top-k's scratch) per launch pair, at most (a row: a token)
 # Scores a compaction step takes per thread: 32 crash Triton 3.6's LLVM (an SLP vectorizer assertion).
 COMPACT_PER_THREAD = 8
 
@@ -419,9 +419,10 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
 
     Scores are a [tokens, max_seq_len // rate] float32 buffer: long prefill
     chunks at long contexts are scored SCORE_BUFFER_BYTES at a time (an
-    8,192-token chunk at 1M tokens would need 8.6 GB at once)."""
+    8,192-token chunk at 1M tokens would need 8.6 GB at once), the top-k
+    shortcut's buffers counted in."""
     width = max(1, batch.max_seq_len // rate)
-    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * width)))
+    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * width + _shortcut_row_bytes(batch, rate, k))))
     scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q.device)
     maxima = _score_maxima(batch, rate, k, rows, q.device)
@@ -431,6 +432,15 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
                      maxima=maxima)
         top_k_indices(scores, part, rate, k, out[first:first + rows], maxima=maxima)
     return out
+
+
+def _shortcut_row_bytes(batch: V4PagedBatch, rate: int, k: int) -> int:
+    """Bytes a score row adds in the top-k shortcut's buffers (maxima, candidates)."""
+    group = candidate_group(batch, rate, k)
+    if not group:
+        return 0
+    groups = triton.next_power_of_2(triton.cdiv(max(1, batch.max_seq_len // rate), group))
+    return 4 * (groups + 2 * triton.next_power_of_2(TOP_K_CONFIG.groups_per_k * k))
 
 
 def _score_maxima(batch: V4PagedBatch, rate: int, k: int, rows: int, device: torch.device) -> GroupMaxima | None:
