@@ -56,9 +56,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -74,7 +74,7 @@ PREFIX_WINDOW = 128
 
 class ScheduledRequest(NamedTuple):
     """One row of a step. A named tuple, not a dataclass: a decode step builds
-    one per running request (`_new_row`: no Python __init__ per row), and its
+    one per running request (`_tuple_new`: no Python __init__ per row), and its
     fields read in C."""
 
     request: Request
@@ -218,33 +218,63 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Running requests in order, each up to its known tokens. A step whose
-        rows all compute their one last token (steady decode) also gets them
-        as arrays (`SchedulerOutput.decode`), collected here where each row is
-        read anyway: the batch is then built without walking the rows again."""
-        i, scheduled, running, allocate = 0, out.scheduled, self.running, self.kv_cache.allocate_slots
-        starts, decode, on_device = [], True, True
-        while i < len(running) and budget > 0:  # hot loop: Request's properties inlined
-            request = running[i]
-            i += 1
+        """Running requests in order, each up to its known tokens, their KV
+        allocated in one `allocate_rows` call. A step whose rows all compute
+        their one last token (steady decode) also gets them as arrays
+        (`SchedulerOutput.decode`): the batch is then built without walking
+        the rows again."""
+        rows, left, marks = self._running_rows(budget)
+        num_candidates = len(rows)
+        out.scheduled = self._allocate_running(rows, out)
+        out.decode = _decode_batch(rows, *marks)
+        if len(rows) < num_candidates:  # rows of preempted requests were dropped
+            left = budget - sum(map(_num_new_of, rows))
+        return left
+
+    def _running_rows(self, budget: int) -> tuple[list[ScheduledRequest], int, tuple[int, int]]:
+        """A row for each running request that can grow, in order, with all
+        the tokens it has left until the budget runs out; the budget left; and
+        where the rows stop being decode rows (`_decode_batch`): the index of
+        the first that does not compute its one last token, and of the first
+        whose token the host already has (len(rows) when there is none)."""
+        rows: list[ScheduledRequest] = []
+        if budget <= 0:
+            return rows, budget, (0, 0)
+        multi = known = None
+        append = rows.append
+        for request in self.running:  # hot loop: Request's properties inlined
             num_output, pending = len(request.output_token_ids), request.num_pending_tokens
             if num_output + pending >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
                 continue
-            start, num_known = request.num_computed_tokens, len(request.prompt_token_ids) + num_output
-            num_new = num_known + pending - start
-            if num_new > budget:
-                num_new = budget
-            if not allocate(request, num_new) and not self._preempt_until_fits(request, num_new, out):
-                break  # `request` itself was preempted; everything after it too.
-            scheduled.append(_new_row((request, num_new, start)))
-            starts.append(start)
-            # Its one last token (capped rows compute fewer than they have left).
-            decode = decode and num_new == 1 == num_known + pending - start
-            on_device = on_device and start >= num_known
-            budget -= num_new
-        if decode and starts:
-            out.decode = DecodeBatch(np.array(starts, dtype=np.int64), on_device)
-        return budget
+            start = request.num_computed_tokens
+            num_left = len(request.prompt_token_ids) + num_output + pending - start
+            if num_left != 1 and multi is None:
+                multi = len(rows)
+            if not pending and known is None:
+                known = len(rows)
+            if num_left >= budget:  # the budget's last row
+                append(_tuple_new(ScheduledRequest, (request, budget, start)))
+                budget = 0
+                break
+            append(_tuple_new(ScheduledRequest, (request, num_left, start)))
+            budget -= num_left
+        end = len(rows)
+        return rows, budget, (end if multi is None else multi, end if known is None else known)
+
+    def _allocate_running(self, rows: list[ScheduledRequest], out: SchedulerOutput) -> list[ScheduledRequest]:
+        """Allocate the rows' KV in order; where blocks run out, preempt the
+        newest running requests until the row fits (`_preempt_until_fits`) and
+        drop the rows of those preempted. Returns `rows`, cut to those kept."""
+        done = self.kv_cache.allocate_rows(rows)
+        while done < len(rows):
+            request, num_new, _ = rows[done]
+            if not self._preempt_until_fits(request, num_new, out):
+                del rows[done:]  # `request` itself was preempted; everything after it too.
+                break
+            while rows[-1].request.status is RequestStatus.PREEMPTED:  # the newest: the rows' tail
+                rows.pop()
+            done = self.kv_cache.allocate_rows(rows, done + 1)
+        return rows
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """`request`'s allocation failed: preempt the newest running requests
@@ -387,13 +417,24 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed tokens for what the forward pass just wrote."""
-        for item in out.scheduled:
-            request, start = item.request, item.start_pos
-            request.num_computed_tokens = start + item.num_new_tokens
+    def update_after_step(self, out: SchedulerOutput, sampled: Sequence[ScheduledRequest] = ()) -> None:
+        """Advance computed tokens for what the forward pass just wrote, and
+        count a pending token for each row of `sampled` (the launched step's
+        sampling rows: their ids reach the host when the step resolves)."""
+        rows = out.scheduled
+        if out.decode is not None and out.decode.on_device and len(sampled) == len(rows):
+            # Steady decode: every row samples and is past its prompt (no prefill
+            # events), so one pass does both while each request is in cache.
+            for request, num_new, start in rows:
+                request.num_computed_tokens = start + num_new
+                request.num_pending_tokens += 1
+            return
+        for request, num_new, start in rows:
+            request.num_computed_tokens = start + num_new
             if start < len(request.prompt_token_ids):  # a prompt chunk is an event; decode steps are too many
-                request.record_event("prefill", item.num_new_tokens)
+                request.record_event("prefill", num_new)
+        for item in sampled:
+            item.request.num_pending_tokens += 1
 
     def remove_finished(self, request: Request, status: RequestStatus) -> None:
         """Finish a request wherever it is: with pipelined steps, a stop can land
@@ -414,7 +455,20 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
     return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)
 
 
-# ScheduledRequest._make without its Python frame: the decode loop builds one per running request.
-_new_row = partial(tuple.__new__, ScheduledRequest)
-# A row's request id, for C-level passes over a step's rows (`map`: no Python frame per row).
+def _decode_batch(rows: list[ScheduledRequest], multi: int, known: int) -> DecodeBatch | None:
+    """The rows as arrays when each computes its one last token (the first
+    `multi` rows do), None otherwise; their tokens are on the device when
+    the host has none of them (the first `known` rows)."""
+    if not rows or multi < len(rows):
+        return None
+    starts = np.fromiter(map(_start_of, rows), dtype=np.int64, count=len(rows))
+    return DecodeBatch(starts, on_device=known >= len(rows))
+
+
+# ScheduledRequest(...) without its Python __new__ (nor a partial's call: slower still): the
+# decode loop builds one per running request.
+_tuple_new = tuple.__new__
+# A row's fields, for C-level passes over a step's rows (`map`: no Python frame per row).
 row_request_id = attrgetter("request.request_id")
+_num_new_of = itemgetter(1)
+_start_of = itemgetter(2)

@@ -253,3 +253,60 @@ def test_a_compressed_group_gets_a_block_only_where_a_window_ends():
     full, compressed = manager.get_block_ids("a")
     assert len(full) == len(compressed) == 6 and NULL_BLOCK_ID not in full
     assert [b != NULL_BLOCK_ID for b in compressed] == [False, True] * 3
+
+
+def _decoding(manager: KVCacheManager, names: str, prompt_len: int) -> list[Request]:
+    """Requests admitted with staggered prompts, their next tokens pending (pipelined decode)."""
+    requests = []
+    for i, name in enumerate(names):
+        r = _request(name, [100 * i + t for t in range(prompt_len + i)])
+        _admit(manager, r)
+        r.num_pending_tokens = 1
+        requests.append(r)
+    return requests
+
+
+def _state(manager: KVCacheManager, requests: list[Request]) -> tuple:
+    for r in requests:
+        manager._sync_tails(r.request_id)  # what the fast path left behind
+    fill = manager._held.fill
+    return ([manager.get_block_ids(r.request_id) for r in requests], dict(manager._num_tokens),
+            sorted(manager.pool.cached), manager.num_free_blocks, fill.used_slots, fill.num_held)
+
+
+# Two full groups (rooms of two tails each), and one that drops blocks (no rooms).
+ROWS_LAYOUTS = {"full x2": [KVCacheGroup(FULL, (0,)), KVCacheGroup(FULL, (1,))],
+                "full + sliding": make_kv_cache_groups([FULL, SlidingWindowSpec(6)])}
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("layout", sorted(ROWS_LAYOUTS))
+def test_allocate_rows_does_what_allocate_slots_does_row_by_row(layout, caching):
+    """Decode steps through rooms, tails that fill, blocks that open and a pool
+    that runs dry: the rows call changes the cache exactly as allocate_slots
+    per row does, and stops at the row that failed."""
+    managers = [KVCacheManager(ROWS_LAYOUTS[layout], num_blocks=30, block_size=4,
+                               enable_prefix_caching=caching) for _ in range(2)]
+    walks = [_decoding(m, "abcde", 5) for m in managers]
+    stops = set()
+    for step in range(12):
+        rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+        done = managers[0].allocate_rows(rows)
+        stops.add(done)
+        expected = next((i for i, r in enumerate(walks[1]) if not managers[1].allocate_slots(r, 1)), len(rows))
+        assert done == expected
+        assert _state(managers[0], walks[0]) == _state(managers[1], walks[1]), step
+        for walk in walks:
+            for r in walk[:done]:
+                r.num_computed_tokens += 1
+                r.output_token_ids.append(step)
+        managers[0].check_integrity()
+    assert min(stops) < len(rows)  # the pool ran dry on the way
+
+
+def test_allocate_rows_refuses_a_negative_count_inside_a_room():
+    manager = KVCacheManager(make_kv_cache_groups([FULL]), num_blocks=8, block_size=4)
+    r = _request("a", [1, 2, 3, 4, 5, 6])
+    _admit(manager, r)
+    with pytest.raises(ValueError, match="num_new_tokens must be >= 0"):
+        manager.allocate_rows([(r, -1, r.num_computed_tokens)])

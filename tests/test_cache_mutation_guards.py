@@ -537,6 +537,16 @@ def test_reuse_queue_block_in_the_wrong_list_is_caught(corrupt):
         kv.check_integrity()
 
 
+def test_reuse_queue_total_mismatch_is_caught():
+    """The reuse queue keeps its four lists' total (read on every allocation);
+    a total that drifts from them is caught."""
+    kv, r = _busy_manager(eviction_policy="reuse")
+    kv.free(r)
+    kv.pool.free_queue._cold._len += 1
+    with pytest.raises(RuntimeError, match="the eviction lists hold 8 blocks, their total says 7"):
+        kv.check_integrity()
+
+
 def test_host_integrity_check_catches():
     host, kv, r, _ = _swapped_out(8)
     kv.check_integrity()

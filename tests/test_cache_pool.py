@@ -7,6 +7,7 @@ from kvserve.cache import hashing
 from kvserve.cache.block_pool import BlockContent, BlockPool, FreeBlockQueue, KVBlock
 from kvserve.cache.groups import make_kv_cache_groups
 from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.managers import block_content
 from kvserve.cache.specs import FullAttentionSpec
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -139,3 +140,18 @@ def test_hot_segment_keeps_its_share_of_the_free_blocks(hot_fraction, hits_left)
     assert [b.num_hits for b in blocks] == hits_left
     assert [b.block_id for b in iter(queue)] == [b.block_id for b in blocks if not b.num_hits] + \
         [b.block_id for b in blocks if b.num_hits]
+
+
+def test_block_contents_are_the_lookups_contents_and_extend_the_hashes():
+    """One slice serves both: the contents a lookup verifies against
+    (`block_content`), and the hashes `extend_block_hashes` would append."""
+    request = _request("r", list(range(10)))
+    request.output_token_ids.extend([10, 11, 12])
+    hashing.extend_block_hashes(request, 4)  # blocks 0-2
+    hashes = list(request.block_hashes)
+    request.block_hashes[:] = hashes[:1]
+    contents = hashing.block_contents(request, 1, 3, 4)
+    assert request.block_hashes == hashes
+    assert contents == [block_content(hashes, request.all_token_ids, i, 4) for i in (1, 2)]
+    with pytest.raises(ValueError, match="block 4 follows 3 hashed blocks"):
+        hashing.block_contents(request, 4, 5, 4)

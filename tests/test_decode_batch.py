@@ -46,10 +46,14 @@ def _walk(seed: int) -> int:
         _check_decode_batch(out, kv, admitted=any(id(i.request) not in running for i in out.scheduled))
         num_decode += out.decode is not None
         kv.take_pending_copies()
-        s.update_after_step(out)
-        launched = [item.request for item in out.scheduled if item.completes_sequence]
-        for request in launched:
-            request.num_pending_tokens += 1
+        sampling = [item for item in out.scheduled if item.completes_sequence]
+        launched = [item.request for item in sampling]
+        if seed % 2:  # the engine's way: the sampling rows' pending tokens counted in the same call
+            s.update_after_step(out, sampling)
+        else:
+            s.update_after_step(out)
+            for request in launched:
+                request.num_pending_tokens += 1
         for request in in_flight:
             _resolve(s, request, rng.randrange(50))
         in_flight = launched if rng.random() < 0.9 else _resolve_all(s, launched, rng)

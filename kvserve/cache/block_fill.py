@@ -175,11 +175,11 @@ class HeldTables:
         """Each group's table gains entry `index`: its block in `blocks`, new
         (no other holder), holding one token. Returns their fill counters, the
         request's sole tails (`sole_tails`)."""
-        fill, tails = self.fill, []
+        add_sole, append_row, tails = self.fill.add_sole, self.rows.append_one, []
         for group, (table, block) in enumerate(zip(self._ids[request_id], blocks)):
             table.append(block.block_id)
-            tails.append(fill.add_sole(block.block_id, 1))
-            self.rows.append(request_id, group, index, [block.block_id])
+            tails.append(add_sole(block.block_id, 1))
+            append_row(request_id, group, index, block.block_id)
         return tails
 
     def forget(self, request_id: str, end: int) -> None:

@@ -179,7 +179,8 @@ class BlockPool:
             # One at a time: dropping a hash updates the parent's place in the
             # free queue, so no popped block may still look free (ref 0) then.
             block = self.free_queue.popleft()
-            self._drop_cached(block)
+            if block.block_hash is not None:  # the check inlined: most reclaimed blocks are uncached
+                self._drop_cached(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks

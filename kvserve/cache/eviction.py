@@ -40,6 +40,7 @@ class ReuseAwareQueue:
         self._hot = FreeBlockQueue()
         self._inner = FreeBlockQueue()
         self._order = (self._uncached, self._cold, self._hot, self._inner)
+        self._len = 0  # over all four lists: read on every allocation
 
     def _target(self, block: KVBlock) -> FreeBlockQueue:
         if block.block_hash is None:
@@ -52,6 +53,7 @@ class ReuseAwareQueue:
         queue = self._target(block)
         queue.append(block)
         block.free_list = queue
+        self._len += 1
         if queue is self._hot:
             self._demote_overflow()
 
@@ -61,12 +63,14 @@ class ReuseAwareQueue:
             raise ValueError(f"{block} is not in the free queue")
         queue.remove(block)
         block.free_list = None
+        self._len -= 1
 
     def popleft(self) -> KVBlock:
         for queue in self._order:
             if queue._len:  # not len(queue): a Python call per list, once per block allocated
                 block = queue.popleft()
                 block.free_list = None
+                self._len -= 1
                 return block
         raise ValueError("no free blocks left")
 
@@ -82,14 +86,17 @@ class ReuseAwareQueue:
             self._cold.append(block)
             block.free_list = self._cold
 
-    def __len__(self) -> int:  # read on every allocation: four attribute reads, no generator
-        return self._uncached._len + self._cold._len + self._hot._len + self._inner._len
+    def __len__(self) -> int:
+        return self._len
 
     def __iter__(self) -> Iterator[KVBlock]:
         for queue in self._order:
             yield from queue
 
     def check_integrity(self) -> None:
+        if self._len != sum(queue._len for queue in self._order):
+            raise RuntimeError(f"the eviction lists hold {sum(q._len for q in self._order)} blocks, "
+                               f"their total says {self._len}")
         for queue in self._order:
             for block in queue:
                 if block.free_list is not queue or self._target(block) is not queue:

@@ -1,21 +1,29 @@
 """Chained block hashes: the prefix-cache key of every full block.
 
-Owns the hash function and the incremental extension of `Request.block_hashes`.
-Block i's hash covers block i-1's hash, block i's token ids and the engine's
-extra keys (model, LoRA, ...), so equal hashes imply equal prefixes up to a
-128-bit collision. Hits never trust the hash alone: the pool also verifies
-the stored parent hash, tokens and position (see `block_pool.BlockContent`).
+Owns the hash function, the incremental extension of `Request.block_hashes`,
+and the `BlockContent` a cached block is verified against (built from the
+same token slice as its hash). Block i's hash covers block i-1's hash, block
+i's token ids and the engine's extra keys (model, LoRA, ...), so equal hashes
+imply equal prefixes up to a 128-bit collision. Hits never trust the hash
+alone: the pool also verifies the stored parent hash, tokens and position
+(see `block_pool.BlockContent`).
 """
 from __future__ import annotations
 
-from array import array
+import struct
 from collections.abc import Sequence
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 import xxhash
 
+from kvserve.cache.block_pool import BlockContent
+
 if TYPE_CHECKING:
     from kvserve.request import Request
+
+# BlockContent._make without its Python frame: one is built per block cached.
+_new_content = partial(tuple.__new__, BlockContent)
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int],
@@ -24,8 +32,20 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int],
     # A fixed-width marker keeps "no parent" distinct from any 16-byte parent.
     # One-shot over the joined parts: the same digest as updating part by part.
     return xxhash.xxh3_128_digest(b"".join((parent if parent is not None else b"\x00root",
-                                            array("i", token_ids).tobytes(),
-                                            repr(extra_keys).encode())))
+                                            _int32s(len(token_ids)).pack(*token_ids),
+                                            _encoded(extra_keys))))
+
+
+@lru_cache(maxsize=64)
+def _int32s(n: int) -> struct.Struct:
+    """Packs n ints as native int32 (array("i")'s bytes, at a third of its cost)."""
+    return struct.Struct(f"{n}i")
+
+
+@lru_cache(maxsize=64)
+def _encoded(extra_keys: tuple) -> bytes:
+    """The extra keys as hashed: the same few tuples for every block, encoded once."""
+    return repr(extra_keys).encode()
 
 
 def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = ()) -> None:
@@ -44,3 +64,23 @@ def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = (
         offset = (index - first) * block_size
         block_tokens = token_ids[offset:offset + block_size]
         hashes.append(hash_block(parent, block_tokens, extra_keys))
+
+
+def block_contents(request: Request, first: int, end: int, block_size: int,
+                   extra_keys: tuple = ()) -> list[BlockContent]:
+    """What blocks [first, end) of the request hold (full of known tokens),
+    hashing those past `request.block_hashes` on the way: one token slice
+    serves both (a decode step fills a block every block_size steps)."""
+    hashes = request.block_hashes
+    if first > len(hashes):
+        raise ValueError(f"block {first} follows {len(hashes)} hashed blocks: its parent hash is unknown")
+    token_ids = request.token_ids_between(first * block_size, end * block_size)
+    contents = []
+    for index in range(first, end):
+        offset = (index - first) * block_size
+        tokens = tuple(token_ids[offset:offset + block_size])
+        parent = hashes[index - 1] if index else None
+        if index == len(hashes):
+            hashes.append(hash_block(parent, tokens, extra_keys))
+        contents.append(_new_content((parent, tokens, index)))
+    return contents

@@ -13,7 +13,8 @@ Scheduler contract for `num_computed_tokens`:
      [0, num_computed_tokens + hit + num_new_tokens).
   2. Only if it returned True: `request.num_computed_tokens += hit`
      (and `num_cached_tokens = hit` on first admission).
-  3. Later steps: `allocate_slots(request, num_new_tokens)`; the first query of
+  3. Later steps: `allocate_slots(request, num_new_tokens)`, or for a step's
+     running requests all at once `allocate_rows(rows)`; the first query of
      the step is at `request.num_computed_tokens`, so advance it by the tokens
      actually computed before the next call.
   Call allocate_slots right after get_computed_blocks: a hit whose blocks were
@@ -46,7 +47,7 @@ from kvserve.cache.block_fill import HeldTables
 from kvserve.cache.block_pool import BlockPool, KVBlock
 from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
-from kvserve.cache.hashing import extend_block_hashes
+from kvserve.cache.hashing import block_contents, extend_block_hashes
 from kvserve.cache.host_tier import CopyBatch, HostBlockRef, HostTier
 from kvserve.cache.managers import HitBlock, SingleTypeManager, make_manager
 
@@ -122,6 +123,8 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # Whether any group frees blocks as queries move (then no step is a no-op).
         self._drops_blocks = any(m.drops_blocks for m in self.managers)
+        # Whether a step's one token past a block boundary can take the direct path (`_open_next_block`).
+        self._opens_blocks = block_size > 1 and not self._drops_blocks
         self.host_hit_tokens = 0
         self.num_swap_outs = 0
         self.num_swap_ins = 0
@@ -259,13 +262,23 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if (computed is None or computed.num_tokens == 0) and self._move_within_tail(request, num_new_tokens):
+        if computed is None or computed.num_tokens == 0:
+            return self._extend(request, num_new_tokens, reserve)
+        self._check_hit_usable(request, computed)
+        return self._allocate(request, num_new_tokens, computed, reserve)
+
+    def _extend(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
+        """`allocate_slots` without a hit: the decode step's two direct paths
+        first, then the general one."""
+        if self._move_within_tail(request, num_new_tokens):
             return True  # the common decode step: nothing to allocate or free
-        hit = computed if computed is not None and computed.num_tokens > 0 else None
-        if hit is None and self._open_next_block(request, num_new_tokens, reserve):
+        if self._open_next_block(request, num_new_tokens, reserve):
             return True  # a decode step crossing into a new block: 1 in block_size steps
-        if hit is not None:
-            self._check_hit_usable(request, hit)
+        return self._allocate(request, num_new_tokens, None, reserve)
+
+    def _allocate(self, request: Request, num_new_tokens: int, hit: ComputedBlocks | None,
+                  reserve: int) -> bool:
+        """The general path: any hit (checked usable) and any number of tokens."""
         self._sync_tails(request.request_id)  # the general path reads the fill counters
         first_query_pos = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         total = first_query_pos + num_new_tokens
@@ -279,6 +292,32 @@ class KVCacheManager:
             self._cache_full_blocks(request, total)
         self._set_room(request.request_id, total)
         return True
+
+    def allocate_rows(self, rows: Sequence[tuple[Request, int, int]], first: int = 0) -> int:
+        """`allocate_slots(request, num_new_tokens)` for each (request,
+        num_new_tokens, _) of `rows[first:]` in order, stopping at the first
+        that fails; returns its index (len(rows) when none failed).
+
+        Every running request comes here every step, so a row whose end stays
+        inside its room (`_set_room`) is moved right here, with no call: the
+        end and the fill total, as `_move_within_tail` does (hot path)."""
+        room_of, ends, moved = self._room.get, self._num_tokens, 0
+        for i in range(first, len(rows)):
+            request, num_new, _ = rows[i]
+            request_id = request.request_id
+            room = room_of(request_id)
+            total = request.num_computed_tokens + num_new
+            # The last slot fills the tail (then the call caches it); a negative count raises there.
+            if room is not None and room[0] <= total < room[1] and num_new >= 0:
+                moved += (total - ends[request_id]) * len(room[2])
+                ends[request_id] = total
+                continue
+            self._held.fill.used_slots += moved
+            moved = 0
+            if not self.allocate_slots(request, num_new):
+                return i
+        self._held.fill.used_slots += moved
+        return len(rows)
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      computed: ComputedBlocks | None = None, reserve: int = 0) -> bool:
@@ -363,7 +402,9 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens
         if not self._opens_one_block(request_id, end, total, reserve):
             return False
-        blocks = [m.append_new_block(request_id) for m in self.managers]
+        blocks = self.pool.get_new_blocks(len(self.managers))
+        for manager, block in zip(self.managers, blocks):
+            manager.append_block(request_id, block)
         tails = self._held.append_fresh(request_id, end // self.block_size, blocks)
         self._num_tokens[request_id] = total
         if self.enable_prefix_caching:
@@ -375,8 +416,8 @@ class KVCacheManager:
         """The end moves one token past a block boundary, no group drops blocks,
         the pool has a block per group, and each group's own policy asks for
         exactly that one (a compressed group holds NULL where no window ends)."""
-        if (end is None or total != end + 1 or end % self.block_size or self.block_size == 1
-                or self._drops_blocks or len(self.managers) + reserve > self.pool.num_free_blocks):
+        if (end is None or total != end + 1 or end % self.block_size or not self._opens_blocks
+                or len(self.managers) + reserve > len(self.pool.free_queue)):
             return False
         for manager in self.managers:  # a loop, not all(generator): once per block opened
             if manager.num_new_blocks(request_id, total, 0) != 1:
@@ -464,16 +505,14 @@ class KVCacheManager:
                                      "before allocate_slots for the same request")
 
     def _cache_full_blocks(self, request: Request, total: int) -> None:
-        num_known = min(total, len(request.prompt_token_ids) + len(request.output_token_ids))
-        num_full, request_id = num_known // self.block_size, request.request_id
-        pending = [m for m in self.managers if m.num_cached_blocks.get(request_id, 0) < num_full]
-        if not pending:
+        num_full = min(total, len(request.prompt_token_ids) + len(request.output_token_ids)) // self.block_size
+        request_id = request.request_id
+        first = min([m.num_cached_blocks.get(request_id, 0) for m in self.managers])
+        if first >= num_full:
             return
-        extend_block_hashes(request, self.block_size, self.extra_keys)
-        token_ids = _TokenSlices(request)  # decode fills a block every block_size steps
-        for manager in pending:
-            manager.cache_full_blocks(request.request_id, request.block_hashes, token_ids,
-                                      num_known)
+        contents = block_contents(request, first, num_full, self.block_size, self.extra_keys)
+        for manager in self.managers:
+            manager.cache_full_blocks(request_id, request.block_hashes, contents, first)
 
     # ---- release ------------------------------------------------------
     def free(self, request: Request) -> None:
@@ -655,21 +694,6 @@ class KVCacheManager:
             block = self.pool.cached.get(key)
             if block is not None and block.content != entry.content:
                 raise RuntimeError(f"{key} is cached on GPU and host with different contents")
-
-
-class _TokenSlices:
-    """A request's token ids sliced by position without building the whole
-    list (`all_token_ids` concatenates: O(length) for every block cached)."""
-
-    __slots__ = ("request",)
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-
-    def __getitem__(self, positions: slice) -> list[int]:
-        if positions.step is not None or positions.start is None or positions.stop is None:
-            raise ValueError(f"token slices take [start:stop] only, got {positions}")
-        return self.request.token_ids_between(positions.start, positions.stop)
 
 
 def _is_private(block: HitBlock) -> bool:

@@ -62,8 +62,8 @@ class SingleTypeManager(abc.ABC):
         return self.req_to_blocks.get(request_id, [])
 
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
-        held = len(self.blocks(request_id)) + num_hit_blocks
-        return max(0, cdiv(num_tokens, self.block_size) - held)
+        held = len(self.req_to_blocks.get(request_id, ())) + num_hit_blocks  # not blocks(), cdiv(): asked per block opened
+        return max(0, -(-num_tokens // self.block_size) - held)
 
     def num_reclaimed(self, request_id: str, first_query_pos: int) -> int:
         """Blocks that become free when the skippable ones are dropped."""
@@ -92,25 +92,25 @@ class SingleTypeManager(abc.ABC):
         table = self.req_to_blocks.setdefault(request_id, [])
         table.extend(self.pool.get_new_blocks(self.num_new_blocks(request_id, num_tokens, 0)))
 
-    def append_new_block(self, request_id: str) -> KVBlock:
-        """One fresh block at the end of the request's table (it holds one)."""
-        block = self.pool.get_new_blocks(1)[0]
+    def append_block(self, request_id: str, block: KVBlock) -> None:
+        """A fresh block from the pool at the end of the request's table (it holds one)."""
         self.req_to_blocks[request_id].append(block)
-        return block
 
     def cache_full_blocks(self, request_id: str, block_hashes: Sequence[bytes],
-                          token_ids: Sequence[int], num_tokens: int) -> None:
-        """Register blocks full of known tokens within [0, num_tokens). NULL
-        entries (a window's dropped blocks, a compressed group's slots where no
-        window ends) hold nothing to cache."""
+                          contents: Sequence[BlockContent], first: int) -> None:
+        """Register the blocks not offered to the hash map yet among blocks
+        [first, first + len(contents)), full of known tokens (`contents[i]`:
+        what block first + i holds). NULL entries (a window's dropped blocks, a
+        compressed group's slots where no window ends) hold nothing to cache."""
         table = self.req_to_blocks.get(request_id, ())
         start = self.num_cached_blocks.get(request_id, 0)
-        end = min(num_tokens // self.block_size, len(block_hashes), len(table))
+        if start < first:
+            raise ValueError(f"blocks [{start}, {first}) of {request_id!r} have no contents to cache")
+        end = min(first + len(contents), len(table))
         for index in range(start, end):
             block = table[index]
             if block.block_id != NULL_BLOCK_ID:  # not block.is_null: once per block cached
-                content = block_content(block_hashes, token_ids, index, self.block_size)
-                self.pool.cache_block(block, self.group_id, block_hashes[index], content)
+                self.pool.cache_block(block, self.group_id, block_hashes[index], contents[index - first])
         self.num_cached_blocks[request_id] = max(start, end)
 
     def free(self, request_id: str) -> None:

@@ -146,9 +146,7 @@ class LLMEngine:
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step
             return drained + self._on_step_error(e, [s.request for s in out.scheduled])
         self._num_failed_steps = 0
-        self.scheduler.update_after_step(out)
-        for item in launched.rows:
-            item.request.num_pending_tokens += 1
+        self.scheduler.update_after_step(out, launched.rows)
         touched = drained + self._finish_in_flight(launched)
         self._start_write_backs()
         self.stats.record_step(out, time.monotonic() - start)
