@@ -12,8 +12,7 @@ v4_torch_ref.index_scores on a few rows; top-k: v4_torch_ref.top_k_mask on
 the kernel's own scores, exact); a variant that mismatches or fails to
 compile is reported, not timed. Then:
   * the sparse decode path (index scores + top-k + CSA attention) with the
-    old configs (the previous kernels) and as the model runs it (`index_top_k`
-    with the default configs, the group maxima written by the score kernel);
+    old configs (the previous defaults) and the kernels' current defaults;
   * a grid per kernel: attention (inline / planned / prefetch rows, BLOCK_N,
     num_warps, num_stages, heads per program, splits), scores (tile, waves,
     warps, stages), top-k (radix bits, warps, tile);
@@ -100,17 +99,12 @@ class DecodePages:
     def top_k(self, config: TopKConfig | None = None) -> None:
         kernels.top_k_indices(self.scores, self.batch, CSA_RATE, TOPK, self.indices, config)
 
-    def attend(self, kind: str, config: SparseAttentionConfig | None = None, indices=None) -> None:
-        indices = self.indices if indices is None else indices
-        entries, indices, rate = (self.csa, indices, CSA_RATE) if kind == "csa" else (self.hca, None, HCA_RATE)
+    def attend(self, kind: str, config: SparseAttentionConfig | None = None) -> None:
+        entries, indices, rate = (self.csa, self.indices, CSA_RATE) if kind == "csa" else (self.hca, None, HCA_RATE)
         kernels.sparse_attention(self.q, self.sliding, entries, indices, self.sinks, D ** -0.5, WINDOW, rate,
                                  self.batch, self.out, config)
 
     def csa_step(self, configs: "PathConfigs") -> None:
-        if configs.engine:  # as the model runs it: index_top_k (group maxima from the score kernel)
-            indices = kernels.index_top_k(self.q_index, self.weights, self.csa, D, self.batch, CSA_RATE, TOPK)
-            self.attend("csa", configs.attention, indices)
-            return
         self.index_scores(configs.scores)
         self.top_k(configs.top_k)
         self.attend("csa", configs.attention)
@@ -192,7 +186,6 @@ class PathConfigs:
     scores: ScoreConfig | None = None
     top_k: TopKConfig | None = None
     attention: SparseAttentionConfig | None = None
-    engine: bool = False  # scores and top-k through index_top_k, with the default configs
 
 
 def csa_bytes(batch: int, context: int, with_indexer: bool = True) -> int:
@@ -330,7 +323,7 @@ def bench_shape(shape: Shape, quick: bool, no_attention_grid: bool = False) -> d
                     hca_bytes(b, c))
     shape.best.pop("hca", None)
     paths = {"old": PathConfigs(OLD_SCORES, OLD_TOP_K, old_attention(b, c, "csa")),
-             "default": PathConfigs(engine=True),
+             "default": PathConfigs(),
              "best": PathConfigs(*(shape.best.get(k, (0, None))[1] for k in ("scores", "top-k", "attention")))}
     timings = {}
     for name, configs in paths.items():

@@ -331,38 +331,6 @@ def check_top_k_candidates(device: str, k: int, positions: list[int], seed: int)
         check_top_k_rows(out, scores, visible, k)
 
 
-def check_index_top_k(seqs, device: str, dtype: torch.dtype, seed: int, k: int, shape: str = "tiny") -> None:
-    """index_top_k (group maxima from the score kernel, the top-k's shortcut)
-    against index_scores + top_k_indices without the shortcut on the same
-    scores: the same entries, row for row."""
-    from kvserve.model.deepseek_v4 import kernels
-    from kvserve.model.deepseek_v4.kernels import indexer
-    gen = torch.Generator().manual_seed(seed)
-    config = v4_config(shape, index_topk=k)
-    case = PagedCase(config, seqs, 16, dtype, device, gen)
-    layer, T, rate = LAYER[CSA], case.batch.num_tokens, case.rates["csa"]
-    assert 2 <= indexer.candidate_group(case.batch, rate, k) <= indexer.SCORE_CONFIG.block_e
-    case.fill_entries("csa_entries", layer, upto_new=True)
-    q = case.randn(T, config.index_n_heads, config.index_head_dim)
-    weights = torch.randn(T, config.index_n_heads, generator=gen).to(device)
-    page = case.batch.page("csa_entries", layer)
-    got = kernels.index_top_k(q, weights, page, config.head_dim, case.batch, rate, k)
-    scores = torch.full((T, case.batch.max_seq_len // rate), float("nan"), device=device)
-    kernels.index_scores(q, weights, page, config.head_dim, case.batch, rate, scores)
-    want = torch.full((T, k), 777, dtype=torch.int32, device=device)
-    kernels.top_k_indices(scores, case.batch, rate, k, want, top_k_config(candidates=False))
-    assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
-    # The same through the public pieces, the maxima buffer poisoned with the largest key (-1 as uint32):
-    # a group maximum the score kernel leaves unwritten would raise the bound past the k-th score.
-    group = indexer.candidate_group(case.batch, rate, k)
-    maxima = indexer.GroupMaxima(torch.full((T, scores.shape[1] // group + 1), -1, dtype=torch.int32,
-                                            device=device), group)
-    kernels.index_scores(q, weights, page, config.head_dim, case.batch, rate, scores, maxima=maxima)
-    got = torch.full((T, k), 777, dtype=torch.int32, device=device)
-    kernels.top_k_indices(scores, case.batch, rate, k, got, maxima=maxima)
-    assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
-
-
 # ---- sparse attention ---------------------------------------------------------------------------
 
 def check_attention(kind: str, seqs, block_size: int, dtype: torch.dtype, device: str, seed: int,
@@ -544,7 +512,6 @@ def interpreter_checks() -> None:
     check_top_k_ties(16, "cpu", 1)
     check_top_k_ties(16, "cpu", 2, top_k_config(radix_bits=4))
     check_top_k_candidates("cpu", 8, [1000, 900, 700, 90, 31, 300], 4)
-    check_index_top_k([(1000, 1), (700, 1), (90, 1), (31, 1), (300, 1), (600, 9)], "cpu", torch.float32, 5, 8)
     for num_splits in (2, 5):  # split-KV: the sink in split 0, empty splits merge as nothing
         err = check_attention(HCA, CPU_HCA128, 16, torch.float32, "cpu", num_splits, num_splits=num_splits,
                               hca_rate=128, block_n=16, sliding_window=64)
@@ -643,17 +610,16 @@ def test_kernels_compile_for_sm90():
             "index_ptr", "seq_idx_ptr", "pos_ptr", "plan_ptr")}, {"RATE": rate, "PAGE_SIZE": 16, "IS_CSA": csa,
                                                                  "ROW_ALIGN": 16, "BLOCK": attention.PLAN_BLOCK}, 4,
                          1, ints)
-    for key_rows, group in ((True, 16), (True, 0), (False, 0)):
+    for key_rows in (True, False):
         compile_for_sm90(indexer._index_scores_kernel, common | {
-            "q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32", "scores_ptr": "*fp32", "max_ptr": "*i32"},
+            "q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32", "scores_ptr": "*fp32"},
             {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64, "DOT_PRECISION": "tf32",
-             "KEY_ROWS": key_rows, "GROUP": group}, 4, 3, ints, frozenset({"scale"}))
-    for group, block_g, cand, given in ((0, 1, 1, False), (16, 2048, 2048, False), (16, 2048, 2048, True)):
+             "KEY_ROWS": key_rows}, 4, 3, ints, frozenset({"scale"}))
+    for group, block_g, cand in ((0, 1, 1), (16, 2048, 2048)):
         compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
-                                                 "pos_ptr": "*i64", "scratch_ptr": "*i32", "max_ptr": "*i32"},
-                         {"RATE": 4, "BLOCK": 4096, "BLOCK_K": 512, "BITS": indexer.TOP_K_CONFIG.radix_bits,
-                          "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand, "COMPACT": 2048,
-                          "MAXIMA_GIVEN": given}, 8)
+                                                 "pos_ptr": "*i64", "scratch_ptr": "*i32"},
+                         {"RATE": 4, "BLOCK": 16384, "BLOCK_K": 512, "BITS": indexer.TOP_K_CONFIG.radix_bits,
+                          "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand, "COMPACT": 4096}, 16)
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {
             "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
@@ -728,7 +694,6 @@ def test_top_k_ties_gpu():
     check_top_k_ties(16, "cuda", 0)
     check_top_k_ties(16, "cuda", 1, top_k_config(radix_bits=4))
     check_top_k_candidates("cuda", 512, [131071, 70000, 65536, 9000, 32768, 2047], 6)
-    check_index_top_k([(131071, 1), (70000, 1), (9000, 1), (2047, 1), (40000, 33)], "cuda", BF16, 7, 512, "flash")
 
 
 @pytest.mark.gpu

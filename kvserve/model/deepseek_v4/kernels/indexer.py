@@ -73,22 +73,12 @@ SCORE_CONFIG = ScoreConfig()
 TOP_K_CONFIG = TopKConfig(radix_bits=4, max_tile=4096, num_warps=8)  # the H200 bench's best at 256 x 128K
 
 
-@triton.jit
-def _store_group_maxima(max_row, e0, score, valid, end, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    """Order-preserving keys of the maxima of the groups of GROUP scores
-    starting in e0 .. e0 + BLOCK (valid scores only; groups past `end` skipped)."""
-    score = tl.where(valid, score, float("-inf"))
-    group_max = _sortable(tl.max(tl.reshape(score, [BLOCK // GROUP, GROUP]), 1))
-    g = e0 // GROUP + tl.arange(0, BLOCK // GROUP)
-    tl.store(max_row + g, group_max.to(tl.int32, bitcast=True), mask=g * GROUP < end)
-
-
 @triton.jit(do_not_specialize=["stride_table"])
 def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_ptr, unit, key_offset,
                          key_width, table_ptr, stride_table, scores_ptr, stride_st, seq_idx_ptr, pos_ptr,
-                         num_heads, chunk, scale, max_ptr, stride_mt, RATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         num_heads, chunk, scale, RATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, KEY_ROWS: tl.constexpr, GROUP: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, KEY_ROWS: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -117,8 +107,6 @@ def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_
             s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale
             score = tl.sum(s * weights[:, None], 0)
         tl.store(score_row + e, score, mask=valid)
-        if GROUP > 0:  # the top-k's group maxima, while the scores are in registers
-            _store_group_maxima(max_ptr + t.to(tl.int64) * stride_mt, e0, score, valid, end, BLOCK_E, GROUP)
 
 
 @triton.jit
@@ -221,17 +209,16 @@ def _store_chosen(out_row, taken, entries, chosen):
 
 @triton.jit
 def _group_bound(score_row, max_row, num_entries, num_groups, k, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_G: tl.constexpr, BITS: tl.constexpr, MAXIMA_GIVEN: tl.constexpr):
+                 BLOCK_G: tl.constexpr, BITS: tl.constexpr):
     """A key <= the row's k-th largest: the top digits of the k-th largest of
-    the maxima over groups of GROUP entries (in max_row: from the score
-    kernel when MAXIMA_GIVEN, else written here first)."""
-    if not MAXIMA_GIVEN:
-        for e0 in range(0, num_entries, BLOCK):
-            e = e0 + tl.arange(0, BLOCK)
-            valid = e < num_entries
-            score = tl.load(score_row + e, mask=valid, other=0.0)
-            _store_group_maxima(max_row, e0, score, valid, num_entries, BLOCK, GROUP)
-        tl.debug_barrier()  # the maxima are read back by other threads of the program
+    the maxima over groups of GROUP entries (written to max_row, read back)."""
+    for e0 in range(0, num_entries, BLOCK):  # maxima of the scores (float: order as their keys)
+        e = e0 + tl.arange(0, BLOCK)
+        score = tl.load(score_row + e, mask=e < num_entries, other=float("-inf"))
+        group_max = _sortable(tl.max(tl.reshape(score, [BLOCK // GROUP, GROUP]), 1))
+        g = e0 // GROUP + tl.arange(0, BLOCK // GROUP)
+        tl.store(max_row + g, group_max.to(tl.int32, bitcast=True), mask=g < num_groups)
+    tl.debug_barrier()  # the maxima are read back by other threads of the program
     g = tl.arange(0, BLOCK_G)
     maxima = tl.load(max_row + g, mask=g < num_groups, other=0).to(tl.uint32, bitcast=True)
     bound, _, _ = _radix_tile(maxima, g < num_groups, k, BITS)
@@ -283,10 +270,10 @@ def _top_k_full(score_row, out_row, num_entries, k, BLOCK: tl.constexpr, BITS: t
 
 
 @triton.jit
-def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, max_ptr, stride_mt,
-                  scratch_ptr, stride_scratch, RATE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BITS: tl.constexpr, ONE_TILE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                  CAND: tl.constexpr, COMPACT: tl.constexpr, MAXIMA_GIVEN: tl.constexpr):
+def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, scratch_ptr, stride_scratch,
+                  RATE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
+                  ONE_TILE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAND: tl.constexpr,
+                  COMPACT: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -299,28 +286,19 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
         return
     score_row = scores_ptr + t.to(tl.int64) * stride_st
     full = num_entries > k  # (true here) cleared once the candidate shortcut has written the row
-    if GROUP > 0:  # scratch row: CAND candidate keys, then their CAND entries
+    if GROUP > 0:  # scratch row: BLOCK_G group maxima, then CAND candidate keys and CAND entries
         num_groups = (num_entries + GROUP - 1) // GROUP
         if num_groups >= k:
-            max_row = max_ptr + t.to(tl.int64) * stride_mt
-            bound = _group_bound(score_row, max_row, num_entries, num_groups, k, BLOCK, GROUP, BLOCK_G, BITS,
-                                 MAXIMA_GIVEN)
-            cand_keys = scratch_ptr + t.to(tl.int64) * stride_scratch
-            count = _compact_candidates(score_row, cand_keys, cand_keys + CAND, num_entries, bound, COMPACT, CAND)
+            scratch_row = scratch_ptr + t.to(tl.int64) * stride_scratch
+            bound = _group_bound(score_row, scratch_row, num_entries, num_groups, k, BLOCK, GROUP, BLOCK_G, BITS)
+            count = _compact_candidates(score_row, scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND,
+                                        num_entries, bound, COMPACT, CAND)
             full = count > CAND
             if count <= CAND:
-                _top_k_of_candidates(cand_keys, cand_keys + CAND, out_row, count, k, BITS, CAND)
+                _top_k_of_candidates(scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND, out_row, count, k,
+                                     BITS, CAND)
     if full:
         _top_k_full(score_row, out_row, num_entries, k, BLOCK, BITS, ONE_TILE)
-
-
-@dataclass(frozen=True)
-class GroupMaxima:
-    """The maxima of each score row's groups of `group` entries, as order-
-    preserving int32 keys: written by the score kernel, read by the top-k's
-    shortcut instead of its own pass over the row."""
-    keys: torch.Tensor  # [T, >= groups in the longest row] int32
-    group: int
 
 
 def _score_chunk(num_tokens: int, max_entries: int, device: torch.device, config: ScoreConfig) -> int:
@@ -331,14 +309,12 @@ def _score_chunk(num_tokens: int, max_entries: int, device: torch.device, config
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
-                 rate: int, scores: torch.Tensor, config: ScoreConfig | None = None,
-                 maxima: GroupMaxima | None = None) -> torch.Tensor:
+                 rate: int, scores: torch.Tensor, config: ScoreConfig | None = None) -> torch.Tensor:
     """scores[t, e] for e < (p_t + 1) // rate (the rest of each row is not written).
 
     q [T, H, d] (rope applied), weights [T, H] float32 (the head weights with
     the 1/sqrt(H) factor), keys: the entry pages, whose indexer keys start at
-    column `key_col`; scores [T, >= max_seq_len // rate] float32. With
-    `maxima`, the rows' group maxima are written too (group <= block_e)."""
+    column `key_col`; scores [T, >= max_seq_len // rate] float32."""
     num_tokens, num_heads, head_dim = q.shape
     max_entries = batch.max_seq_len // rate
     if scores.shape[0] < num_tokens or scores.shape[1] < max_entries:
@@ -348,18 +324,15 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col:
     if num_tokens == 0 or max_entries == 0:
         return scores
     config = config if config is not None else SCORE_CONFIG
-    if maxima is not None and not 2 <= maxima.group <= config.block_e:
-        raise ValueError(f"group maxima need 2 <= group <= block_e ({config.block_e}), got {maxima.group}")
     chunk = _score_chunk(num_tokens, max_entries, q.device, config)
-    max_keys = maxima.keys if maxima is not None else scores
     grid = (num_tokens, triton.cdiv(max_entries, chunk))
     _index_scores_kernel[grid](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), batch.storage, batch.storage.stride(0),
         keys.offset + key_col, keys.width, keys.table, keys.table.stride(0), scores, scores.stride(0),
-        batch.seq_idx, batch.positions, num_heads, chunk, head_dim ** -0.5, max_keys, max_keys.stride(0), RATE=rate,
-        PAGE_SIZE=batch.block_size, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-        BLOCK_E=config.block_e, DOT_PRECISION=dot_precision(batch.storage.dtype), KEY_ROWS=config.key_rows,
-        GROUP=maxima.group if maxima is not None else 0, num_warps=config.num_warps, num_stages=config.num_stages)
+        batch.seq_idx, batch.positions, num_heads, chunk, head_dim ** -0.5, RATE=rate, PAGE_SIZE=batch.block_size,
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_E=config.block_e,
+        DOT_PRECISION=dot_precision(batch.storage.dtype), KEY_ROWS=config.key_rows, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return scores
 
 
@@ -370,23 +343,24 @@ def _candidate_group(max_entries: int, k: int, block: int, groups_per_k: int) ->
     return min(group, block) if group >= 2 else 0
 
 
-def _tile(config: TopKConfig, max_entries: int) -> int:
-    """Scores a top-k tile holds: the whole row up to max_tile."""
+def _tile(max_entries: int, config: TopKConfig) -> int:
+    """Scores a top-k tile holds: the whole row, up to max_tile."""
     return min(config.max_tile, max(1024, triton.next_power_of_2(max_entries)))
 
 
-def candidate_group(batch: V4PagedBatch, rate: int, k: int, config: TopKConfig | None = None) -> int:
-    """The group size of the top-k's shortcut for this batch (0: not taken)."""
-    config = config if config is not None else TOP_K_CONFIG
-    max_entries = max(1, batch.max_seq_len // rate)
-    return _candidate_group(max_entries, k, _tile(config, max_entries), config.groups_per_k) if config.candidates \
-        else 0
+def _shortcut_plan(max_entries: int, k: int, config: TopKConfig) -> tuple[int, int, int]:
+    """The top-k shortcut's group size, group maxima and candidates per row (all 0: not taken)."""
+    group = _candidate_group(max_entries, k, _tile(max_entries, config), config.groups_per_k) \
+        if config.candidates else 0
+    if not group:
+        return 0, 0, 0
+    groups = triton.next_power_of_2(triton.cdiv(max_entries, group))
+    return group, groups, triton.next_power_of_2(config.groups_per_k * k)
 
 
 def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, out: torch.Tensor,
-                  config: TopKConfig | None = None, maxima: GroupMaxima | None = None) -> torch.Tensor:
-    """out[t, :k]: token t's k best visible entries in ascending order, then -1.
-    `maxima`: the score kernel's group maxima (group: `candidate_group`'s)."""
+                  config: TopKConfig | None = None) -> torch.Tensor:
+    """out[t, :k]: token t's k best visible entries in ascending order, then -1."""
     if out.shape[0] < batch.num_tokens or out.shape[1] < k or out.dtype != torch.int32:
         raise ValueError(f"top-k index buffer must be int32 with >= ({batch.num_tokens}, {k}) entries, got "
                          f"{out.dtype} {tuple(out.shape)}")
@@ -394,22 +368,17 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
         return out
     config = config if config is not None else TOP_K_CONFIG
     max_entries = max(1, batch.max_seq_len // rate)
-    block = _tile(config, max_entries)
+    block = _tile(max_entries, config)
     num_warps = config.num_warps or max(4, min(16, block // 1024))
-    group = candidate_group(batch, rate, k, config)
-    if maxima is not None and maxima.group != group:
-        raise ValueError(f"group maxima of groups of {maxima.group}, but this top-k groups by {group}")
-    block_g = triton.next_power_of_2(triton.cdiv(max_entries, group)) if group else 1
-    cand = triton.next_power_of_2(config.groups_per_k * k) if group else 1
-    rows = batch.num_tokens if group else 1
-    max_keys = maxima.keys if maxima is not None else torch.empty(rows, block_g, dtype=torch.int32, device=out.device)
-    scratch = torch.empty(rows, 2 * cand, dtype=torch.int32, device=out.device)
+    group, block_g, cand = _shortcut_plan(max_entries, k, config)
+    block_g, cand = max(block_g, 1), max(cand, 1)
+    scratch = torch.empty(batch.num_tokens if group else 1, block_g + 2 * cand, dtype=torch.int32,
+                          device=scores.device)
     _top_k_kernel[(batch.num_tokens,)](
-        scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, max_keys, max_keys.stride(0),
-        scratch, scratch.stride(0), RATE=rate, BLOCK=block, BLOCK_K=min(1024, triton.next_power_of_2(k)),
-        BITS=config.radix_bits, ONE_TILE=block >= max_entries, GROUP=group, BLOCK_G=block_g, CAND=cand,
-        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), MAXIMA_GIVEN=maxima is not None,
-        num_warps=num_warps)
+        scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, scratch, scratch.stride(0),
+        RATE=rate, BLOCK=block, BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits,
+        ONE_TILE=block >= max_entries, GROUP=group, BLOCK_G=block_g, CAND=cand,
+        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), num_warps=num_warps)
     return out
 
 
@@ -420,34 +389,14 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
     Scores are a [tokens, max_seq_len // rate] float32 buffer: long prefill
     chunks at long contexts are scored SCORE_BUFFER_BYTES at a time (an
     8,192-token chunk at 1M tokens would need 8.6 GB at once), the top-k
-    shortcut's buffers counted in."""
+    shortcut's scratch counted in."""
     width = max(1, batch.max_seq_len // rate)
-    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * width + _shortcut_row_bytes(batch, rate, k))))
+    _, groups, candidates = _shortcut_plan(width, k, TOP_K_CONFIG)
+    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * (width + groups + 2 * candidates))))
     scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q.device)
-    maxima = _score_maxima(batch, rate, k, rows, q.device)
     for first in range(0, batch.num_tokens, rows):
         part = batch.tokens(first, min(batch.num_tokens, first + rows))
-        index_scores(q[first:first + rows], weights[first:first + rows], keys, key_col, part, rate, scores,
-                     maxima=maxima)
-        top_k_indices(scores, part, rate, k, out[first:first + rows], maxima=maxima)
+        index_scores(q[first:first + rows], weights[first:first + rows], keys, key_col, part, rate, scores)
+        top_k_indices(scores, part, rate, k, out[first:first + rows])
     return out
-
-
-def _shortcut_row_bytes(batch: V4PagedBatch, rate: int, k: int) -> int:
-    """Bytes a score row adds in the top-k shortcut's buffers (maxima, candidates)."""
-    group = candidate_group(batch, rate, k)
-    if not group:
-        return 0
-    groups = triton.next_power_of_2(triton.cdiv(max(1, batch.max_seq_len // rate), group))
-    return 4 * (groups + 2 * triton.next_power_of_2(TOP_K_CONFIG.groups_per_k * k))
-
-
-def _score_maxima(batch: V4PagedBatch, rate: int, k: int, rows: int, device: torch.device) -> GroupMaxima | None:
-    """A buffer for the score kernel's group maxima when the top-k's shortcut
-    is taken with groups the score tiles hold (else the top-k computes them)."""
-    group = candidate_group(batch, rate, k)
-    if not 2 <= group <= SCORE_CONFIG.block_e:
-        return None
-    width = triton.next_power_of_2(triton.cdiv(max(1, batch.max_seq_len // rate), group))
-    return GroupMaxima(torch.empty(rows, width, dtype=torch.int32, device=device), group)
