@@ -615,11 +615,13 @@ def test_kernels_compile_for_sm90():
             "q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32", "scores_ptr": "*fp32"},
             {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64, "DOT_PRECISION": "tf32",
              "KEY_ROWS": key_rows}, 4, 3, ints, frozenset({"scale"}))
+    top_k, warps = indexer.TOP_K_CONFIG, indexer.TOP_K_CONFIG.num_warps  # at 128K: 32K-score rows in tiles
     for group, block_g, cand in ((0, 1, 1), (16, 2048, 2048)):
         compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
                                                  "pos_ptr": "*i64", "scratch_ptr": "*i32"},
-                         {"RATE": 4, "BLOCK": 16384, "BLOCK_K": 512, "BITS": indexer.TOP_K_CONFIG.radix_bits,
-                          "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand, "COMPACT": 4096}, 16)
+                         {"RATE": 4, "BLOCK": top_k.max_tile, "BLOCK_K": 512, "BITS": top_k.radix_bits,
+                          "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand,
+                          "COMPACT": min(top_k.max_tile, 32 * indexer.COMPACT_PER_THREAD * warps)}, warps)
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {
             "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
