@@ -1,0 +1,108 @@
+"""Host microseconds per engine step, two versions of kvserve in one process.
+
+On a machine whose speed drifts (this project's 2-core CPU read 2x apart
+between runs of the same code) separate runs of host_step_bench.py cannot
+show a 10-20% change. Here a base commit, exported from git with its package
+renamed (kvserve -> kvserve_base, so both import side by side), and the
+working tree each build an engine with the same requests; timed steps
+alternate between them (the order flips every step), so both see the same
+machine. Per part: both medians and the median of the per-step ratios.
+
+    python benchmarks/host_step_ab.py --base 96714f4 --running 256 --steps 60 [host_step_bench.py flags]
+
+`--stub-forward` is on unless `--real-forward` is given (CPU: the host parts
+do not depend on the layers). Parts as in host_step_bench.py.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("schedule", "bookkeeping", "metrics", "input_prep", "host_total", "core_out")
+_PACKAGE = re.compile(r"\bkvserve\b(?!_base)")
+
+
+def export_base(rev: str, dest: Path) -> Path:
+    """`rev`'s package as kvserve_base and its bench as host_step_bench_base.py under dest."""
+    archive = subprocess.run(["git", "archive", rev, "kvserve", "benchmarks/host_step_bench.py"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    (dest / "kvserve").rename(dest / "kvserve_base")
+    for path in [*(dest / "kvserve_base").rglob("*.py"), dest / "benchmarks" / "host_step_bench.py"]:
+        path.write_text(_PACKAGE.sub("kvserve_base", path.read_text()))
+    return dest / "benchmarks" / "host_step_bench.py"
+
+
+def load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Side:
+    """One version's engine, decoding `n` requests, with its step timer."""
+
+    def __init__(self, bench: ModuleType, a: argparse.Namespace, n: int) -> None:
+        self.bench = bench
+        self.engine = bench.build_engine(a, n)
+        self.timer = bench.StepTimer()
+        bench.instrument(self.engine, self.timer)
+        if a.stub_forward:
+            bench.stub_forward(self.engine)
+        bench.add_requests(self.engine, n, a)
+        self.core = bench.EngineCore(self.engine, transport=None)
+        self.core._num_sent.update((request_id, 0) for request_id in self.engine.requests)
+        while not bench.all_decoding(self.engine, n):
+            bench.core_outputs(self.core, self.engine.step())
+        for _ in range(a.warmup):
+            bench.core_outputs(self.core, self.engine.step())
+            self.engine.get_metrics()
+        self.samples: list[dict[str, int]] = []
+
+    def step(self) -> None:
+        sample = self.bench.timed_step(self.engine, self.core, self.timer)
+        sample["host_total"] = sum(sample[part] for part in self.bench.HOST_PARTS)
+        self.samples.append(sample)
+
+
+def compare(base: Side, new: Side, steps: int) -> None:
+    for i in range(steps):
+        for side in ((base, new) if i % 2 == 0 else (new, base)):
+            side.step()
+    print(f"{'part':12s} {'base us':>9s} {'new us':>9s} {'new/base':>9s}")
+    for part in PARTS:
+        b = statistics.median(s[part] for s in base.samples) / 1e3
+        w = statistics.median(s[part] for s in new.samples) / 1e3
+        ratio = statistics.median(x[part] / max(y[part], 1) for x, y in zip(new.samples, base.samples))
+        print(f"{part:12s} {b:9.1f} {w:9.1f} {ratio:9.3f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--base", required=True, help="the commit to compare the working tree against")
+    parser.add_argument("--real-forward", action="store_true")
+    known, rest = parser.parse_known_args(argv)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import host_step_bench as new_bench
+    a = new_bench.parse_args(rest)
+    a.stub_forward = a.stub_forward or not known.real_forward
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, tmp)
+        base_bench = load(export_base(known.base, Path(tmp)), "host_step_bench_base")
+        for n in (int(x) for x in a.running.split(",")):
+            print(f"running={n} steps={a.steps} base={known.base} new=working tree (medians; ratio: median "
+                  f"of per-step new/base)")
+            compare(Side(base_bench, a, n), Side(new_bench, a, n), a.steps)
+
+
+if __name__ == "__main__":
+    main()
