@@ -7,7 +7,7 @@ from kvserve.cache import hashing
 from kvserve.cache.block_pool import BlockContent, BlockPool, FreeBlockQueue, KVBlock
 from kvserve.cache.groups import make_kv_cache_groups
 from kvserve.cache.kv_cache_manager import KVCacheManager
-from kvserve.cache.managers import block_content
+from kvserve.cache.hashing import block_content
 from kvserve.cache.specs import FullAttentionSpec
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams

@@ -77,10 +77,18 @@ def block_contents(request: Request, first: int, end: int, block_size: int,
     token_ids = request.token_ids_between(first * block_size, end * block_size)
     contents = []
     for index in range(first, end):
-        offset = (index - first) * block_size
-        tokens = tuple(token_ids[offset:offset + block_size])
-        parent = hashes[index - 1] if index else None
+        content = block_content(hashes, token_ids, index, block_size, first)
         if index == len(hashes):
-            hashes.append(hash_block(parent, tokens, extra_keys))
-        contents.append(_new_content((parent, tokens, index)))
+            hashes.append(hash_block(content.parent_hash, content.token_ids, extra_keys))
+        contents.append(content)
     return contents
+
+
+def block_content(block_hashes: Sequence[bytes], token_ids: Sequence[int], index: int, block_size: int,
+                  first: int = 0) -> BlockContent:
+    """What block `index` of a request must hold for a hit to be correct
+    (`token_ids` start at block `first`): what a lookup verifies and what
+    caching a block stores."""
+    parent = block_hashes[index - 1] if index > 0 else None
+    offset = (index - first) * block_size
+    return _new_content((parent, tuple(token_ids[offset:offset + block_size]), index))

@@ -14,6 +14,7 @@ import abc
 from collections.abc import Sequence
 
 from kvserve.cache.block_pool import NULL_BLOCK_ID, BlockContent, BlockPool, KVBlock
+from kvserve.cache.hashing import block_content
 from kvserve.cache.host_tier import HostBlockRef, HostTier
 from kvserve.cache.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
@@ -127,14 +128,6 @@ class SingleTypeManager(abc.ABC):
         if block is None and self.host_tier is not None:
             return self.host_tier.lookup((self.group_id, block_hashes[index]), content)
         return block
-
-
-def block_content(block_hashes: Sequence[bytes], token_ids: Sequence[int], index: int,
-                  block_size: int) -> BlockContent:
-    """What block `index` of a request must hold for a hit to be correct."""
-    parent = block_hashes[index - 1] if index > 0 else None
-    tokens = tuple(token_ids[index * block_size:(index + 1) * block_size])
-    return BlockContent(parent, tokens, index)
 
 
 class FullAttentionManager(SingleTypeManager):
