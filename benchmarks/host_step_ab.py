@@ -2,11 +2,13 @@
 
 On a machine whose speed drifts (this project's 2-core CPU read 2x apart
 between runs of the same code) separate runs of host_step_bench.py cannot
-show a 10-20% change. Here a base commit, exported from git with its package
+show a 10-20% change. Here a base commit's package, exported from git and
 renamed (kvserve -> kvserve_base, so both import side by side), and the
-working tree each build an engine with the same requests; timed steps
-alternate between them (the order flips every step), so both see the same
-machine. Per part: both medians and the median of the per-step ratios.
+working tree's each build an engine with the same requests, through the same
+bench code (the working tree's host_step_bench.py, its imports renamed for
+the base); timed steps alternate between them (the order flips every step),
+so both see the same machine. Per part: both medians and the median of the
+per-step ratios.
 
     python benchmarks/host_step_ab.py --base 96714f4 --running 256 --steps 60 [host_step_bench.py flags]
 
@@ -31,14 +33,15 @@ _PACKAGE = re.compile(r"\bkvserve\b(?!_base)")
 
 
 def export_base(rev: str, dest: Path) -> Path:
-    """`rev`'s package as kvserve_base and its bench as host_step_bench_base.py under dest."""
-    archive = subprocess.run(["git", "archive", rev, "kvserve", "benchmarks/host_step_bench.py"], cwd=ROOT,
-                             capture_output=True, check=True).stdout
+    """`rev`'s package as dest/kvserve_base, and this bench's code importing it."""
+    archive = subprocess.run(["git", "archive", rev, "kvserve"], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     (dest / "kvserve").rename(dest / "kvserve_base")
-    for path in [*(dest / "kvserve_base").rglob("*.py"), dest / "benchmarks" / "host_step_bench.py"]:
+    for path in (dest / "kvserve_base").rglob("*.py"):
         path.write_text(_PACKAGE.sub("kvserve_base", path.read_text()))
-    return dest / "benchmarks" / "host_step_bench.py"
+    bench = dest / "host_step_bench_base.py"
+    bench.write_text(_PACKAGE.sub("kvserve_base", (ROOT / "benchmarks" / "host_step_bench.py").read_text()))
+    return bench
 
 
 def load(path: Path, name: str) -> ModuleType:
@@ -56,16 +59,7 @@ class Side:
         self.engine = bench.build_engine(a, n)
         self.timer = bench.StepTimer()
         bench.instrument(self.engine, self.timer)
-        if a.stub_forward:
-            bench.stub_forward(self.engine)
-        bench.add_requests(self.engine, n, a)
-        self.core = bench.EngineCore(self.engine, transport=None)
-        self.core._num_sent.update((request_id, 0) for request_id in self.engine.requests)
-        while not bench.all_decoding(self.engine, n):
-            bench.core_outputs(self.core, self.engine.step())
-        for _ in range(a.warmup):
-            bench.core_outputs(self.core, self.engine.step())
-            self.engine.get_metrics()
+        self.core = bench.prepare(self.engine, a, n)
         self.samples: list[dict[str, int]] = []
 
     def step(self) -> None:

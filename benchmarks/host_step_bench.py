@@ -130,7 +130,8 @@ def measure(a: argparse.Namespace, n: int) -> dict[str, float]:
             torch.cuda.empty_cache()
 
 
-def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int) -> dict[str, float]:
+def prepare(engine: LLMEngine, a: argparse.Namespace, n: int) -> EngineCore:
+    """`n` requests decoding, warmed up; the engine core whose output builder the steps time."""
     if a.stub_forward:
         stub_forward(engine)
     add_requests(engine, n, a)
@@ -141,6 +142,11 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
     for _ in range(a.warmup):
         core_outputs(core, engine.step())
         engine.get_metrics()
+    return core
+
+
+def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int) -> dict[str, float]:
+    core = prepare(engine, a, n)
     samples = []
     for _ in range(a.steps):
         samples.append(timed_step(engine, core, timer))
