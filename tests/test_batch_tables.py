@@ -57,19 +57,20 @@ def test_block_table_rows_gather_equals_padded_lists_through_growth_and_release(
 
 
 def test_packed_parts_come_back_equal_and_aligned():
-    """The one-transfer upload's pack and split (CUDA packs; the CPU has nothing to move)."""
+    """The one-transfer upload's pack and split (CUDA packs; the CPU has nothing to move):
+    parts of mixed dtypes and odd byte lengths, empty ones, 2-D ones, in any order."""
     rng = torch.Generator().manual_seed(0)
-    for dtype in (torch.int32, torch.int64):
-        parts = [torch.randint(0, 1 << 30, shape, generator=rng, dtype=dtype)
-                 for shape in [(1,), (17,), (0,), (5, 3), (ALIGN,), (3, 40)]]
-        packed = pack(parts)
-        views = split_packed(packed, parts)
-        for part, view in zip(parts, views):
-            assert view.dtype == dtype and torch.equal(view, part)
-            assert view.is_contiguous() and view.data_ptr() % 16 == 0
-            assert view.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
-    with pytest.raises(ValueError, match="one dtype"):
-        pack([torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)])
+    shapes = [(1,), (17,), (0,), (5, 3), (ALIGN,), (3, 40), (7,)]
+    dtypes = [torch.int32, torch.int64, torch.int32, torch.int64, torch.int32, torch.int32, torch.int64]
+    parts = [torch.randint(0, 1 << 30, shape, generator=rng, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+    parts.append(torch.tensor([True, False, True]))  # 3 bytes: the next start still aligns
+    parts.append(torch.arange(5, dtype=torch.int64))
+    packed = pack(parts)
+    assert packed.dtype == torch.uint8
+    for part, view in zip(parts, split_packed(packed, parts)):
+        assert view.dtype == part.dtype and view.shape == part.shape and torch.equal(view, part)
+        assert view.is_contiguous() and view.data_ptr() % 16 == 0
+        assert view.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
 
 
 def test_slot_mapping_matches_a_per_token_walk():
@@ -122,7 +123,7 @@ def test_packing_into_a_staging_buffer_equals_a_fresh_pack():
     parts = [torch.randint(-9, 9, (n,), generator=rng, dtype=torch.int32) for n in (3, 17, 1, 40)]
     buffer = torch.full((4096,), 255, dtype=torch.uint8)
     packed = pack(parts, into=buffer)
-    assert packed.data_ptr() == buffer.data_ptr() and packed.dtype == torch.int32
+    assert packed.data_ptr() == buffer.data_ptr() and packed.dtype == torch.uint8
     fresh = pack(parts)
     for part, view, fresh_view in zip(parts, split_packed(packed, parts), split_packed(fresh, parts)):
         assert torch.equal(part, view) and torch.equal(part, fresh_view)
@@ -164,7 +165,8 @@ def test_uploads_through_the_staging_ring_arrive_intact():
     busy = torch.randn(4096, 4096, device="cuda")
     sent, got = [], []
     for step in range(3 * StagingRing.SLOTS):
-        parts = [torch.randint(0, 1 << 30, (n,), generator=rng, dtype=torch.int64) for n in (step * 97 + 1, 5)]
+        parts = [torch.randint(0, 1 << 30, (n,), generator=rng, dtype=dtype)
+                 for n, dtype in ((step * 97 + 1, torch.int64), (5, torch.int32), (step + 3, torch.int32))]
         busy = busy @ busy / 4096   # keeps the stream busy, so copies queue behind it
         got.append(upload_packed(parts, torch.device("cuda")))
         sent.append(parts)

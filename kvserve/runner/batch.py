@@ -2,8 +2,8 @@
 
 The host side is a few list walks and one `torch.tensor` per array; slot
 mappings are derived from the block tables with array ops (no per-token Python
-loop), on the host; on CUDA everything then moves to the device in two
-transfers, one per dtype, packed into reused pinned buffers, non-blocking.
+loop), on the host; on CUDA everything then moves to the device in one
+transfer, packed into a reused pinned buffer, non-blocking.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.request import PENDING_TOKEN
 from kvserve.scheduler import DecodeBatch, ScheduledRequest
 
-ALIGN = 16   # elements: a packed part's start (`upload_packed`)
+ALIGN = 64   # bytes: a packed part's start (`upload_packed`)
 
 
 @dataclass
@@ -139,16 +139,17 @@ def inputs_for_rows(host: HostBatch, rows: Sequence[int], sampling_rows: list[Sc
                     logits_indices: torch.Tensor | None = None) -> ModelInputs:
     """Device inputs whose logits rows are those of sequences `rows` (a
     tensor-parallel worker, which samples nothing, passes none), at
-    `logits_indices` when the caller knows them. Two transfers in all, one
-    per dtype (`upload_packed`); slot mappings are computed here."""
+    `logits_indices` when the caller knows them. One transfer in all
+    (`upload_packed`); slot mappings are computed here."""
     if logits_indices is None:
         last = host.query_start_loc[1:].long() - 1
         logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
     slots = [slot_mapping(t, host.seq_idx, host.positions, block_size) for t in host.block_tables]
-    input_ids, positions, logits_indices, *slots = upload_packed(
-        [host.input_ids, host.positions, logits_indices, *slots], device)
-    query_start_loc, seq_lens, *tables = upload_packed(
-        [host.query_start_loc, host.seq_lens, *host.block_tables], device)
+    groups = len(slots)
+    input_ids, positions, logits_indices, query_start_loc, seq_lens, *rest = upload_packed(
+        [host.input_ids, host.positions, logits_indices, host.query_start_loc, host.seq_lens, *slots,
+         *host.block_tables], device)
+    slots, tables = rest[:groups], rest[groups:]
     meta = AttentionMetadata(
         num_seqs=len(host.seq_lens_list), num_tokens=len(host.input_ids), block_size=block_size,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables, slot_mappings=slots,
@@ -193,18 +194,18 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors of one dtype on `device` with one transfer (CUDA): packed
-    into a pinned staging buffer of this dtype's ring, copied once without
-    waiting for the stream, and split into views of their shapes. Each transfer
-    costs a copy launch: a step's eight separate ones were most of its CUDA-only
-    host time. On the CPU there is nothing to transfer."""
+    """Host tensors (any dtypes) on `device` with one transfer (CUDA): packed
+    into a pinned staging buffer of the device's ring, copied once without
+    waiting for the stream, and split into views of their dtypes and shapes.
+    Each transfer costs a copy launch, a ring slot and an event: a step's
+    eight separate ones were most of its CUDA-only host time, then two (one
+    per dtype). On the CPU there is nothing to transfer."""
     if device.type != "cuda":
         return parts
-    key = (device, parts[0].dtype)
-    ring = _RINGS.get(key)
+    ring = _RINGS.get(device)
     if ring is None:
-        ring = _RINGS[key] = StagingRing()
-    slot, buffer = ring.take(_starts(parts)[-1] * parts[0].element_size())
+        ring = _RINGS[device] = StagingRing()
+    slot, buffer = ring.take(_starts(parts)[-1])
     on_device = pack(parts, into=buffer).to(device, non_blocking=True)
     ring.copied(slot, torch.cuda.current_stream(device))   # the stream the copy was queued on
     return split_packed(on_device, parts)
@@ -248,33 +249,27 @@ class StagingRing:
         self._events[slot].record(stream)
 
 
-_RINGS: dict[tuple[torch.device, torch.dtype], StagingRing] = {}   # one per device and dtype
+_RINGS: dict[torch.device, StagingRing] = {}   # one per device
 
 
 def pack(parts: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
-    """`parts` (one dtype) flattened into one buffer (a new one, or the front of
-    the uint8 buffer `into`), each starting at a multiple of ALIGN elements so
-    that the views `split_packed` hands to kernels stay 16-byte aligned (Triton
-    specializes on it)."""
-    dtype = parts[0].dtype
-    if any(t.dtype != dtype for t in parts):   # numpy would cast silently
-        raise ValueError(f"packed parts must share one dtype, got {[t.dtype for t in parts]}")
+    """`parts`' bytes in one uint8 buffer (a new one, or the front of `into`),
+    each starting at a multiple of ALIGN bytes so that the views `split_packed`
+    hands to kernels stay 16-byte aligned (Triton specializes on it) and every
+    dtype's view of its bytes is legal."""
     starts = _starts(parts)
-    if into is None:
-        packed = torch.empty(starts[-1], dtype=dtype)
-    else:
-        packed = into[:starts[-1] * parts[0].element_size()].view(dtype)
+    packed = torch.empty(starts[-1], dtype=torch.uint8) if into is None else into[:starts[-1]]
     flat = packed.numpy()
     for t, start in zip(parts, starts):
-        flat[start:start + t.numel()] = t.numpy().reshape(-1)
+        flat[start:start + t.nbytes] = t.numpy().reshape(-1).view(np.uint8)
     return packed
 
 
 def split_packed(packed: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `packed` (`pack(parts)`, wherever it now is) shaped as `parts`."""
-    return [packed[start:start + t.numel()].view(t.shape) for t, start in zip(parts, _starts(parts))]
+    """Views of `packed` (`pack(parts)`, wherever it now is) with `parts`' dtypes and shapes."""
+    return [packed[start:start + t.nbytes].view(t.dtype).view(t.shape) for t, start in zip(parts, _starts(parts))]
 
 
 def _starts(parts: list[torch.Tensor]) -> list[int]:
-    """Each part's offset in the packed buffer, then its length."""
-    return list(itertools.accumulate((-(-t.numel() // ALIGN) * ALIGN for t in parts), initial=0))
+    """Each part's byte offset in the packed buffer, then its length."""
+    return list(itertools.accumulate((-(-t.nbytes // ALIGN) * ALIGN for t in parts), initial=0))
