@@ -2,10 +2,12 @@
 
 Measures the host work a step does besides the model: the scheduler
 (`schedule` + `update_after_step`), the engine's bookkeeping (block-id
-gathering, output processing, stats: the rest of `LLMEngine.step`), the
-metrics snapshot the server publishes after every step (`get_metrics`), and
+gathering, output processing, stats: the rest of `LLMEngine.step`), a
+metrics snapshot (`get_metrics`: timed every step, as the server once
+published it; `kvserve serve`'s engine core now sends one at most every
+`METRICS_INTERVAL_S`, so a served step costs the total less this part), and
 input preparation (`prepare_inputs`: host batch, block tables, uploads).
-"host total" is their sum. "core_out" is what `kvserve serve`'s engine core adds
+"host total" is their sum, defined so since the first runs. "core_out" is what `kvserve serve`'s engine core adds
 to every step: one `CoreOutput` per request that got a token, encoded as the
 IPC sends it; printed beside the total, not in it, so that the total stays
 comparable with earlier runs. The forward/sampling launch and the wait for the
@@ -166,7 +168,7 @@ def timed_step(engine: LLMEngine, core: EngineCore, timer: StepTimer) -> dict[st
     start = time.perf_counter_ns()
     touched = engine.step()
     step_ns = time.perf_counter_ns() - start
-    engine.get_metrics()  # what the server publishes after every step
+    engine.get_metrics()  # timed every step (the served core: at most every METRICS_INTERVAL_S)
     metrics_ns = time.perf_counter_ns() - start - step_ns
     timer.active = False
     out_start = time.perf_counter_ns()
