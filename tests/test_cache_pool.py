@@ -121,6 +121,10 @@ def test_hash_block_is_chained_and_keyed():
     hashing.extend_block_hashes(request, 4)
     assert request.block_hashes[2] == hashing.hash_block(request.block_hashes[1],
                                                          [8, 9, 10, 11])
+    tokens, chain = request.all_token_ids, [None]  # every link, block 0's parent the root
+    for i in range(3):
+        chain.append(hashing.hash_block(chain[-1], tokens[4 * i:4 * i + 4]))
+    assert request.block_hashes == chain[1:]
 
 
 @pytest.mark.parametrize("hot_fraction, hits_left", [(0.5, [0, 0, 1, 1]), (0.25, [0, 0, 0, 1]),

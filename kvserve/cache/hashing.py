@@ -54,16 +54,21 @@ def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = (
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes = request.block_hashes
     num_full = request.num_known_tokens // block_size  # never a pending (unknown) token
-    if len(hashes) >= num_full:
-        return
     first = len(hashes)
+    if first >= num_full:
+        return
     # Only the new blocks' tokens: all_token_ids would copy the whole sequence.
     token_ids = request.token_ids_between(first * block_size, num_full * block_size)
-    for index in range(first, num_full):
-        parent = hashes[-1] if hashes else None
+    _append_hashes(hashes, token_ids, first, num_full, block_size, extra_keys)
+
+
+def _append_hashes(hashes: list[bytes], token_ids: Sequence[int], first: int, end: int, block_size: int,
+                   extra_keys: tuple) -> None:
+    """Chain the hashes of blocks [len(hashes), end) onto `hashes` (`token_ids`
+    start at block `first`): the one walk behind every block hash."""
+    for index in range(len(hashes), end):
         offset = (index - first) * block_size
-        block_tokens = token_ids[offset:offset + block_size]
-        hashes.append(hash_block(parent, block_tokens, extra_keys))
+        hashes.append(hash_block(hashes[-1] if index else None, token_ids[offset:offset + block_size], extra_keys))
 
 
 def block_contents(request: Request, first: int, end: int, block_size: int,
@@ -75,13 +80,8 @@ def block_contents(request: Request, first: int, end: int, block_size: int,
     if first > len(hashes):
         raise ValueError(f"block {first} follows {len(hashes)} hashed blocks: its parent hash is unknown")
     token_ids = request.token_ids_between(first * block_size, end * block_size)
-    contents = []
-    for index in range(first, end):
-        content = block_content(hashes, token_ids, index, block_size, first)
-        if index == len(hashes):
-            hashes.append(hash_block(content.parent_hash, content.token_ids, extra_keys))
-        contents.append(content)
-    return contents
+    _append_hashes(hashes, token_ids, first, end, block_size, extra_keys)
+    return [block_content(hashes, token_ids, index, block_size, first) for index in range(first, end)]
 
 
 def block_content(block_hashes: Sequence[bytes], token_ids: Sequence[int], index: int, block_size: int,
