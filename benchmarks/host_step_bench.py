@@ -7,10 +7,10 @@ metrics snapshot (`get_metrics`: timed every step, as the server once
 published it; `kvserve serve`'s engine core now sends one at most every
 `METRICS_INTERVAL_S`, so a served step costs the total less this part), and
 input preparation (`prepare_inputs`: host batch, block tables, uploads).
-"host total" is their sum, defined so since the first runs. "core_out" is what `kvserve serve`'s engine core adds
-to every step: one `CoreOutput` per request that got a token, encoded as the
-IPC sends it; printed beside the total, not in it, so that the total stays
-comparable with earlier runs. The forward/sampling launch and the wait for the
+"host total" is their sum, defined so since the first runs. "core_out" is
+what `kvserve serve`'s engine core adds to every step: one `CoreOutput` per
+request that got a token, encoded as the IPC sends it; printed beside the
+total, not in it, so that the total stays comparable with earlier runs. The forward/sampling launch and the wait for the
 step in flight are printed for context only: on CPU they are the model's
 compute, on CUDA the launch is Python kernel launches (or a graph replay).
 `--stub-forward` (CPU) replaces the transformer layers by zeros: the host
