@@ -18,6 +18,11 @@ parts do not depend on them, and a busy 2-core machine then finishes the run.
 
     python benchmarks/host_step_bench.py --stub-forward      # CPU, tiny model
     python benchmarks/host_step_bench.py --model dummy:qwen3-8b --device cuda
+    python benchmarks/host_step_bench.py --stub-forward --running 256 --parts
+
+`--parts` also prints the callables inside those parts (`PARTS`), each's
+microseconds per step (mean over the timed steps) and calls per step: where a
+part's time goes, without a profiler's per-call overhead.
 
 Requests are staggered in prompt length so block-boundary allocations spread
 over steps as they do in a server, and every timed step is a decode of all N.
@@ -39,9 +44,14 @@ import torch
 from kvserve.config import EngineArgs
 from kvserve.engine.core_process import EngineCore
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.runner import model_runner
+from kvserve.runner import batch, model_runner
 from kvserve.runner.model_runner import InFlightStep
 from kvserve.sampling_params import SamplingParams
+
+try:   # absent before the staging module existed (host_step_ab.py runs this file against older trees)
+    from kvserve.runner import staging
+except ImportError:
+    staging = None
 
 HOST_PARTS = ("schedule", "bookkeeping", "metrics", "input_prep")
 ENCODER = msgspec.msgpack.Encoder()
@@ -54,7 +64,9 @@ class StepTimer:
         self.ns: dict[str, int] = defaultdict(int)
         self.active = False
 
-    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, part: str, fn: Callable[..., Any], count: bool = False) -> Callable[..., Any]:
+        calls = "calls:" + part.removeprefix("part:")
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter_ns()
             try:
@@ -62,11 +74,28 @@ class StepTimer:
             finally:
                 if self.active:
                     self.ns[part] += time.perf_counter_ns() - start
+                    if count:
+                        self.ns[calls] += 1
         return timed
 
     def take(self) -> dict[str, int]:
         ns, self.ns = dict(self.ns), defaultdict(int)
         return ns
+
+
+# (owner, attribute) of each callable `--parts` times; owner: an engine -> object.
+PARTS = (
+    (lambda e: e.scheduler, "_running_rows"), (lambda e: e.scheduler, "_allocate_running"),
+    (lambda e: e.kv_cache, "_open_next_block"), (lambda e: e.scheduler, "update_after_step"),
+    (lambda e: e.kv_cache, "block_tables"), (lambda e: batch, "build_host_batch"),
+    (lambda e: batch, "slot_mapping"), (lambda e: batch, "upload_packed"),
+    (lambda e: getattr(staging, "StagingRing", None), "take"),
+    (lambda e: getattr(staging, "StagingRing", None), "_lay_out"),
+    (lambda e: getattr(staging, "StagingRing", None), "copied"), (lambda e: torch.cuda, "current_stream"),
+    (lambda e: e.runner, "_fill_pending"), (lambda e: e.runner, "_forward"),
+    (lambda e: e.runner.model, "compute_logits"), (lambda e: e.runner.sampler, "sample"),
+    (lambda e: e, "_process"), (lambda e: e.stats, "record_step"), (lambda e: e, "_start_write_backs"),
+)
 
 
 def stub_forward(engine: LLMEngine) -> None:
@@ -88,6 +117,26 @@ def instrument(engine: LLMEngine, timer: StepTimer) -> Callable[[], None]:
 
     def undo() -> None:
         model_runner.prepare_inputs, InFlightStep.resolve = prepare, resolve
+    return undo
+
+
+def instrument_parts(engine: LLMEngine, timer: StepTimer) -> Callable[[], None]:
+    """Wrap every `PARTS` callable (timed as "part:NAME", its calls as "calls:NAME")."""
+    saved = []
+    for owner_of, name in PARTS:
+        owner = owner_of(engine)
+        fn = getattr(owner, name, None)
+        if fn is None:   # an older tree (host_step_ab.py) or another model's runner
+            continue
+        saved.append((owner, name, owner.__dict__.get(name, fn) if isinstance(owner, type) else fn))
+        setattr(owner, name, timer.wrap(f"part:{name}", fn, count=True))
+
+    def undo() -> None:
+        for owner, name, fn in reversed(saved):
+            if isinstance(owner, type) or owner in (batch, staging, torch.cuda):
+                setattr(owner, name, fn)
+            else:
+                delattr(owner, name)   # the instance attribute hid the class's method
     return undo
 
 
@@ -121,11 +170,13 @@ def all_decoding(engine: LLMEngine, n: int) -> bool:
 def measure(a: argparse.Namespace, n: int) -> dict[str, float]:
     engine = build_engine(a, n)
     timer = StepTimer()
-    undo = instrument(engine, timer)
+    undos = [instrument(engine, timer)] + ([instrument_parts(engine, timer)] if a.parts else [])
     try:
         return run_steps(engine, timer, a, n)
     finally:
-        undo()
+        for undo in reversed(undos):
+            undo()
+        undos.clear()   # their closures hold the engine's methods: gone before the collection below
         del engine
         gc.collect()  # the next engine sizes its KV cache from free device memory
         if torch.cuda.is_available():
@@ -155,7 +206,11 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
     # Median (robust to another process taking the CPU for a step) or, on a
     # busy shared machine, each part's best step.
     stat = statistics.median if a.stat == "median" else min
-    return {part: stat(s[part] for s in samples) / 1e3 for part in samples[0]}
+    row = {part: stat(s[part] for s in samples) / 1e3 for part in samples[0] if ":" not in part}
+    inner = {k for s in samples for k in s if ":" in k}   # `--parts`: means, a call need not come every step
+    row.update({k: sum(s.get(k, 0) for s in samples) / len(samples) / (1 if k.startswith("calls:") else 1e3)
+                for k in inner})
+    return row
 
 
 def core_outputs(core: EngineCore, touched: list) -> bytes:
@@ -176,7 +231,7 @@ def timed_step(engine: LLMEngine, core: EngineCore, timer: StepTimer) -> dict[st
     out_ns = time.perf_counter_ns() - out_start
     ns = timer.take()
     launch, prep = ns.get("launch", 0), ns.get("input_prep", 0)
-    return {"schedule": ns.get("schedule", 0),
+    return {**{k: v for k, v in ns.items() if ":" in k}, "schedule": ns.get("schedule", 0),
             "bookkeeping": step_ns - ns.get("schedule", 0) - launch - ns.get("wait", 0),
             "metrics": metrics_ns, "input_prep": prep, "core_out": out_ns,
             "launch_rest": launch - prep, "wait": ns.get("wait", 0)}
@@ -189,9 +244,21 @@ def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
         total = sum(r[p] for p in HOST_PARTS)
         cells = [r[p] for p in HOST_PARTS] + [total, r["core_out"], r["launch_rest"], r["wait"]]
         print(f"{n:>12} " + " ".join(f"{c:>12.1f}" for c in cells))
+    print_parts(rows)
     print(f"microseconds per step ({stat} over the timed steps); + serving's engine core adds it to every step "
           "(not in host_total); * not host bookkeeping: forward/sampling launch (CPU: the compute) and the wait "
           "for the step in flight")
+
+
+def print_parts(rows: dict[int, dict[str, float]]) -> None:
+    """`--parts`: each inner callable's us per step and calls per step, per running count."""
+    names = [name for _, name in PARTS if any(f"part:{name}" in r for r in rows.values())]
+    if not names:
+        return
+    print(f"{'inner part (mean us / calls per step)':>40} " + " ".join(f"{n:>16}" for n in rows))
+    for name in names:
+        cells = [f"{r.get('part:' + name, 0):9.1f} /{r.get('calls:' + name, 0):5.1f}" for r in rows.values()]
+        print(f"{name:>40} " + " ".join(f"{c:>16}" for c in cells))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -211,6 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--stat", default="median", choices=["median", "min"],
                    help="per part over the timed steps (min: each part's best step, for busy machines)")
+    p.add_argument("--parts", action="store_true",
+                   help="also time the callables inside the parts (PARTS): us and calls per step")
     p.add_argument("--stub-forward", action="store_true",
                    help="zeros instead of the transformer layers (host parts unchanged)")
     return p.parse_args(argv)

@@ -4,7 +4,8 @@ import random
 import pytest
 import torch
 
-from kvserve.runner.batch import ALIGN, pack, pad_tables, slot_mapping, split_packed
+from kvserve.runner.batch import pad_tables, slot_mapping
+from kvserve.runner.staging import ALIGN, StagingRing
 
 
 def _brute(tables, width):
@@ -56,21 +57,65 @@ def test_block_table_rows_gather_equals_padded_lists_through_growth_and_release(
                 assert got.tolist() == _brute([truth[r][group] for r in ids], width)
 
 
-def test_packed_parts_come_back_equal_and_aligned():
-    """The one-transfer upload's pack and split (CUDA packs; the CPU has nothing to move):
-    parts of mixed dtypes and odd byte lengths, empty ones, 2-D ones, in any order."""
-    rng = torch.Generator().manual_seed(0)
-    shapes = [(1,), (17,), (0,), (5, 3), (ALIGN,), (3, 40), (7,)]
+class FakeEvent:
+    """A CUDA event's record/synchronize, logged (the CPU ring's copies are synchronous)."""
+    recorded = 0
+    waited: list[int] = []
+
+    def record(self, stream=None):
+        self.id, FakeEvent.recorded = FakeEvent.recorded, FakeEvent.recorded + 1
+
+    def synchronize(self):
+        FakeEvent.waited.append(self.id)
+
+
+def cpu_ring() -> StagingRing:
+    """A ring whose "device" buffers are on the CPU: the CUDA path's packing,
+    layouts and reuse, checkable here."""
+    FakeEvent.recorded, FakeEvent.waited = 0, []
+    return StagingRing(torch.device("cpu"), pin_memory=False, event=FakeEvent)
+
+
+def mixed_parts(rng: torch.Generator, scale: int = 1) -> list[torch.Tensor]:
+    shapes = [(1,), (17 * scale,), (0,), (5, 3), (ALIGN,), (3, 40 * scale), (7,)]
     dtypes = [torch.int32, torch.int64, torch.int32, torch.int64, torch.int32, torch.int32, torch.int64]
     parts = [torch.randint(0, 1 << 30, shape, generator=rng, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
     parts.append(torch.tensor([True, False, True]))  # 3 bytes: the next start still aligns
     parts.append(torch.arange(5, dtype=torch.int64))
-    packed = pack(parts)
-    assert packed.dtype == torch.uint8
-    for part, view in zip(parts, split_packed(packed, parts)):
+    return parts
+
+
+def test_uploaded_parts_come_back_equal_and_aligned():
+    """One upload's pack and split: parts of mixed dtypes and odd byte lengths,
+    empty ones, 2-D ones, in any order, as views of the slot's device buffer."""
+    ring = cpu_ring()
+    parts = mixed_parts(torch.Generator().manual_seed(0))
+    views = ring.upload(parts)
+    _, device_buffer = ring.buffers(0)
+    for part, view in zip(parts, views):
         assert view.dtype == part.dtype and view.shape == part.shape and torch.equal(view, part)
         assert view.is_contiguous() and view.data_ptr() % 16 == 0
-        assert view.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+        assert view.untyped_storage().data_ptr() == device_buffer.untyped_storage().data_ptr()
+
+
+def test_a_slot_reuses_its_views_for_the_same_layout_and_rewrites_their_values():
+    """Steady decode: the same dtypes and shapes every step. The slot's views
+    come back (no tensor built), holding each upload's own values; a new
+    layout gets new views, and every upload's views hold its parts until the
+    slot comes round again."""
+    ring, rng = cpu_ring(), torch.Generator().manual_seed(3)
+    first = {}
+    for step in range(4 * StagingRing.SLOTS):
+        parts = mixed_parts(rng, scale=1 + (step // (2 * StagingRing.SLOTS)))
+        views = ring.upload(parts)
+        slot = step % StagingRing.SLOTS
+        same_layout = slot in first and first[slot][0] == [p.shape for p in parts]
+        assert all(map(torch.equal, views, parts))
+        if same_layout:
+            assert all(a is b for a, b in zip(views, first[slot][1]))
+        else:
+            first[slot] = ([p.shape for p in parts], views)
+    assert sum(1 for shapes, _ in first.values() if shapes[1] == torch.Size([34])) == StagingRing.SLOTS
 
 
 def test_slot_mapping_matches_a_per_token_walk():
@@ -118,39 +163,18 @@ def test_host_batch_matches_a_per_token_walk():
         assert host.seq_lens.tolist() == [s.start_pos + s.num_new_tokens for s in scheduled]
 
 
-def test_packing_into_a_staging_buffer_equals_a_fresh_pack():
-    rng = torch.Generator().manual_seed(1)
-    parts = [torch.randint(-9, 9, (n,), generator=rng, dtype=torch.int32) for n in (3, 17, 1, 40)]
-    buffer = torch.full((4096,), 255, dtype=torch.uint8)
-    packed = pack(parts, into=buffer)
-    assert packed.data_ptr() == buffer.data_ptr() and packed.dtype == torch.uint8
-    fresh = pack(parts)
-    for part, view, fresh_view in zip(parts, split_packed(packed, parts), split_packed(fresh, parts)):
-        assert torch.equal(part, view) and torch.equal(part, fresh_view)
-        assert view.data_ptr() - packed.data_ptr() == fresh_view.data_ptr() - fresh.data_ptr()
-
-
 def test_staging_ring_reuses_a_buffer_only_after_its_copy_and_grows_rarely():
-    from kvserve.runner.batch import StagingRing
-
-    class Event:
-        recorded = 0
-        waited: list[int] = []
-
-        def record(self, stream=None):
-            self.id, Event.recorded = Event.recorded, Event.recorded + 1
-
-        def synchronize(self):
-            Event.waited.append(self.id)
-    ring = StagingRing(pin_memory=False, event=Event)
+    ring = cpu_ring()
     seen = {}
     for step in range(3 * StagingRing.SLOTS):
-        slot, buffer = ring.take(1000 * (step + 1))
-        assert buffer.numel() >= 1000 * (step + 1)
+        parts = [torch.zeros(250 * (step + 1), dtype=torch.int32)]   # 1,000 bytes a step more
+        slot, layout = ring.take(parts)
+        assert layout.host_bytes.numel() >= 1000 * (step + 1)
         assert slot == step % StagingRing.SLOTS
         # the slot's last copy (the step SLOTS back) is waited for before its buffer is reused
-        assert Event.waited == list(range(max(0, step - StagingRing.SLOTS + 1)))
-        seen.setdefault(slot, set()).add(buffer.data_ptr())
+        assert FakeEvent.waited == list(range(max(0, step - StagingRing.SLOTS + 1)))
+        host, device = ring.buffers(slot)
+        seen.setdefault(slot, set()).add((host.data_ptr(), device.data_ptr()))
         ring.copied(slot)
     assert all(len(ptrs) <= 3 for ptrs in seen.values())   # 1K -> 8.2K -> 16.4K... doubling, not per step
 
@@ -160,16 +184,21 @@ def test_staging_ring_reuses_a_buffer_only_after_its_copy_and_grows_rarely():
 def test_uploads_through_the_staging_ring_arrive_intact():
     """More uploads than the ring has slots, each of a new size, with the device busy
     in between: every upload's device copy equals what was packed."""
-    from kvserve.runner.batch import StagingRing, upload_packed
+    from kvserve.runner.staging import upload_packed
     rng = torch.Generator().manual_seed(2)
     busy = torch.randn(4096, 4096, device="cuda")
     sent, got = [], []
     for step in range(3 * StagingRing.SLOTS):
-        parts = [torch.randint(0, 1 << 30, (n,), generator=rng, dtype=dtype)
-                 for n, dtype in ((step * 97 + 1, torch.int64), (5, torch.int32), (step + 3, torch.int32))]
+        # new sizes, then steady ones (the slots' reused layouts)
+        n = step * 97 + 1 if step < StagingRing.SLOTS + 3 else 7
+        parts = [torch.randint(0, 1 << 30, shape, generator=rng, dtype=dtype)
+                 for shape, dtype in (((n,), torch.int64), ((5,), torch.int32), ((3, n), torch.int32))]
         busy = busy @ busy / 4096   # keeps the stream busy, so copies queue behind it
-        got.append(upload_packed(parts, torch.device("cuda")))
+        views = upload_packed(parts, torch.device("cuda"))
+        # each upload's views read on the device, in stream order, before the slot comes round again
+        flat = torch.cat([v.reshape(-1).long() for v in views])
+        got.append([torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat, non_blocking=True)])
         sent.append(parts)
-    for parts, views in zip(sent, got):
-        for part, view in zip(parts, views):
-            assert torch.equal(view.cpu(), part)
+    torch.cuda.synchronize()
+    for parts, (flat,) in zip(sent, got):
+        assert flat.tolist() == torch.cat([p.reshape(-1).long() for p in parts]).tolist()

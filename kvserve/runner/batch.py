@@ -3,7 +3,7 @@
 The host side is a few list walks and one `torch.tensor` per array; slot
 mappings are derived from the block tables with array ops (no per-token Python
 loop), on the host; on CUDA everything then moves to the device in one
-transfer, packed into a reused pinned buffer, non-blocking.
+non-blocking transfer through reused buffers (`staging.upload_packed`).
 """
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.request import PENDING_TOKEN
+from kvserve.runner.staging import upload_packed
 from kvserve.scheduler import DecodeBatch, ScheduledRequest
-
-ALIGN = 64   # bytes: a packed part's start (`upload_packed`)
-
 
 @dataclass
 class ModelInputs:
@@ -191,85 +189,3 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors (any dtypes) on `device` with one transfer (CUDA): packed
-    into a pinned staging buffer of the device's ring, copied once without
-    waiting for the stream, and split into views of their dtypes and shapes.
-    Each transfer costs a copy launch, a ring slot and an event: a step's
-    eight separate ones were most of its CUDA-only host time, then two (one
-    per dtype). On the CPU there is nothing to transfer."""
-    if device.type != "cuda":
-        return parts
-    ring = _RINGS.get(device)
-    if ring is None:
-        ring = _RINGS[device] = StagingRing()
-    slot, buffer = ring.take(_starts(parts)[-1])
-    on_device = pack(parts, into=buffer).to(device, non_blocking=True)
-    ring.copied(slot, torch.cuda.current_stream(device))   # the stream the copy was queued on
-    return split_packed(on_device, parts)
-
-
-class StagingRing:
-    """Pinned host buffers for uploads, reused in turn.
-
-    A fresh pinned tensor a step went through torch's pinned allocator, and a size
-    it had no free block for called cudaHostAlloc, which takes a driver-wide lock
-    (vLLM saw it stall steps for milliseconds, vllm-project/vllm#37006; an 8K-token
-    step needs sizes the steps before it never did). Here a buffer grows only past
-    its largest use, and is rewritten only once the copy that read it has run (its
-    event: SLOTS steps back, long done unless that many steps are in flight)."""
-
-    SLOTS = 8
-
-    def __init__(self, pin_memory: bool = True, event=None) -> None:
-        self.pin_memory = pin_memory
-        self._event = event or torch.cuda.Event
-        self._buffers: list[torch.Tensor | None] = [None] * self.SLOTS
-        self._events: list = [None] * self.SLOTS
-        self._next = 0
-
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """(slot, a uint8 buffer of at least `nbytes`) to fill and copy from now."""
-        slot, self._next = self._next, (self._next + 1) % self.SLOTS
-        if self._events[slot] is not None:
-            self._events[slot].synchronize()
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < nbytes:   # grow by doubling: few allocations in all
-            size = max(nbytes, 2 * (0 if buffer is None else buffer.numel()), 4096)
-            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
-        return slot, buffer
-
-    def copied(self, slot: int, stream=None) -> None:
-        """The copy from `slot`'s buffer is queued on `stream` (None: the current one): the
-        buffer may be rewritten once its event there has passed."""
-        if self._events[slot] is None:
-            self._events[slot] = self._event()
-        self._events[slot].record(stream)
-
-
-_RINGS: dict[torch.device, StagingRing] = {}   # one per device
-
-
-def pack(parts: list[torch.Tensor], into: torch.Tensor | None = None) -> torch.Tensor:
-    """`parts`' bytes in one uint8 buffer (a new one, or the front of `into`),
-    each starting at a multiple of ALIGN bytes so that the views `split_packed`
-    hands to kernels stay 16-byte aligned (Triton specializes on it) and every
-    dtype's view of its bytes is legal."""
-    starts = _starts(parts)
-    packed = torch.empty(starts[-1], dtype=torch.uint8) if into is None else into[:starts[-1]]
-    flat = packed.numpy()
-    for t, start in zip(parts, starts):
-        flat[start:start + t.nbytes] = t.numpy().reshape(-1).view(np.uint8)
-    return packed
-
-
-def split_packed(packed: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `packed` (`pack(parts)`, wherever it now is) with `parts`' dtypes and shapes."""
-    return [packed[start:start + t.nbytes].view(t.dtype).view(t.shape) for t, start in zip(parts, _starts(parts))]
-
-
-def _starts(parts: list[torch.Tensor]) -> list[int]:
-    """Each part's byte offset in the packed buffer, then its length."""
-    return list(itertools.accumulate((-(-t.nbytes // ALIGN) * ALIGN for t in parts), initial=0))

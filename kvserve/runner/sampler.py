@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.runner.batch import upload
+from kvserve.runner.staging import current_stream
 from kvserve.sampling_params import SamplingParams
 
 UINT64_MASK = 2 ** 64 - 1
@@ -266,7 +267,7 @@ def _to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | No
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(current_stream(t.device))
     return host, event
 
 
