@@ -24,6 +24,11 @@ parts do not depend on them, and a busy 2-core machine then finishes the run.
 microseconds per step (mean over the timed steps) and calls per step: where a
 part's time goes, without a profiler's per-call overhead.
 
+Each engine is set up as `kvserve serve`'s engine core sets up its own
+(`set_up_as_served`: one torch CPU thread on CUDA, the start-up heap frozen
+against the garbage collector); `--as-built` leaves it as built, as the
+records before this set-up measured.
+
 Requests are staggered in prompt length so block-boundary allocations spread
 over steps as they do in a server, and every timed step is a decode of all N.
 """
@@ -42,7 +47,8 @@ import msgspec
 import torch
 
 from kvserve.config import EngineArgs
-from kvserve.engine.core_process import EngineCore
+from kvserve.engine.core_process import EngineCore, limit_host_threads
+from kvserve.engine.gc_heap import freeze_startup_heap
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.runner import batch, model_runner
 from kvserve.runner.model_runner import InFlightStep
@@ -146,11 +152,23 @@ def build_engine(a: argparse.Namespace, n: int) -> LLMEngine:
     num_blocks = a.num_kv_blocks
     if num_blocks is None and a.device == "cpu":  # the CPU default holds 4 sequences
         num_blocks = 2 * n * -(-max_len // a.block_size) + 1
-    return LLMEngine(EngineArgs(
+    engine = LLMEngine(EngineArgs(
         model=a.model, device=a.device, dtype=a.dtype, block_size=a.block_size,
         max_num_seqs=n, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=max_len, num_kv_blocks=num_blocks, hf_overrides=overrides,
         enforce_eager=a.enforce_eager, usage="server"))
+    if not a.as_built:
+        set_up_as_served(engine)
+    return engine
+
+
+def set_up_as_served(engine: LLMEngine) -> None:
+    """What `kvserve serve`'s engine core does to its engine once built: one
+    torch CPU thread when it drives a GPU (`limit_host_threads`), and the
+    start-up heap frozen (`freeze_startup_heap`), so that the garbage
+    collector's passes skip it. `measure` unfreezes it."""
+    limit_host_threads(engine)
+    freeze_startup_heap()
 
 
 def add_requests(engine: LLMEngine, n: int, a: argparse.Namespace) -> None:
@@ -178,6 +196,7 @@ def measure(a: argparse.Namespace, n: int) -> dict[str, float]:
             undo()
         undos.clear()   # their closures hold the engine's methods: gone before the collection below
         del engine
+        gc.unfreeze()   # `set_up_as_served` froze the engine: it must be collectable now
         gc.collect()  # the next engine sizes its KV cache from free device memory
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -278,6 +297,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--stat", default="median", choices=["median", "min"],
                    help="per part over the timed steps (min: each part's best step, for busy machines)")
+    p.add_argument("--as-built", action="store_true",
+                   help="skip the served engine core's set-up (one torch thread on CUDA, the start-up heap "
+                        "frozen), as the records measured before the bench did it")
     p.add_argument("--parts", action="store_true",
                    help="also time the callables inside the parts (PARTS): us and calls per step")
     p.add_argument("--stub-forward", action="store_true",

@@ -163,6 +163,22 @@ def test_host_batch_matches_a_per_token_walk():
         assert host.seq_lens.tolist() == [s.start_pos + s.num_new_tokens for s in scheduled]
 
 
+def test_a_wider_table_renews_only_its_own_views():
+    """A batch's longest table grows a block: in each slot only the table's
+    views are new; the parts before it keep theirs, and all hold the new values."""
+    ring, rng = cpu_ring(), torch.Generator().manual_seed(4)
+    before = []
+    for width in (40, 41):
+        for _ in range(StagingRing.SLOTS):
+            parts = [torch.randint(0, 99, shape, generator=rng, dtype=dtype)
+                     for shape, dtype in (((17,), torch.int64), ((5,), torch.int32), ((3, width), torch.int32))]
+            views = ring.upload(parts)
+            assert all(map(torch.equal, views, parts))
+            before.append(views)
+    for old, new in zip(before[:StagingRing.SLOTS], before[StagingRing.SLOTS:]):
+        assert old[0] is new[0] and old[1] is new[1] and old[2] is not new[2]
+
+
 def test_staging_ring_reuses_a_buffer_only_after_its_copy_and_grows_rarely():
     ring = cpu_ring()
     seen = {}

@@ -59,6 +59,7 @@ class StagingRing:
     queued on the same stream, behind every kernel that read it."""
 
     SLOTS = 8
+    MAX_VIEWS = 256   # per slot, then forgotten
 
     def __init__(self, device: torch.device, pin_memory: bool = True, event=None) -> None:
         self.device = device
@@ -67,6 +68,7 @@ class StagingRing:
         self._host: list[torch.Tensor | None] = [None] * self.SLOTS
         self._device: list[torch.Tensor | None] = [None] * self.SLOTS
         self._layouts: list[Layout | None] = [None] * self.SLOTS
+        self._views: list[dict] = [{} for _ in range(self.SLOTS)]
         self._events: list = [None] * self.SLOTS
         self._next = 0
 
@@ -103,26 +105,44 @@ class StagingRing:
         return self._host[slot], self._device[slot]
 
     def _lay_out(self, slot: int, key: tuple, parts: list[torch.Tensor]) -> Layout:
+        """`slot`'s layout for `parts`, from the slot's views by (start, dtype,
+        shape): when one table grows a block wider, only its views are new."""
         starts = _starts(parts)
         host, device = self._grown(slot, starts[-1])
-        host_bytes, device_bytes = host[:starts[-1]], device[:starts[-1]]
-        host_views = [view.numpy() for view in _views(host_bytes, parts, starts)]
-        return Layout(key, host_views, host_bytes, device_bytes, _views(device_bytes, parts, starts))
+        views = self._views[slot]
+        if len(views) > self.MAX_VIEWS:   # mixed steps: a new token count each step
+            views.clear()
+        pairs = [_view_pair(views, host, device, start, t) for t, start in zip(parts, starts)]
+        span = views.get(starts[-1])   # the bytes one upload copies, keyed by their count
+        if span is None:
+            span = views[starts[-1]] = (host[:starts[-1]], device[:starts[-1]])
+        return Layout(key, [h for h, _ in pairs], *span, [d for _, d in pairs])
 
     def _grown(self, slot: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`slot`'s buffers, replaced by ones of max(nbytes, twice the size, 4 KB)
-        when they hold fewer than `nbytes` bytes."""
+        (and its views forgotten) when they hold fewer than `nbytes` bytes."""
         host = self._host[slot]
         if host is None or host.numel() < nbytes:
             size = max(nbytes, 2 * (0 if host is None else host.numel()), 4096)
             host = self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
             self._device[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._views[slot] = {}
         return host, self._device[slot]
 
 
-def _views(packed: torch.Tensor, parts: list[torch.Tensor], starts: list[int]) -> list[torch.Tensor]:
-    """Views of `packed` (uint8) with `parts`' dtypes and shapes, part i at starts[i]."""
-    return [packed[start:start + t.nbytes].view(t.dtype).view(t.shape) for t, start in zip(parts, starts)]
+def _view_pair(views: dict, host: torch.Tensor, device: torch.Tensor, start: int,
+               like: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """(host numpy view, device view) of `like`'s dtype and shape at byte `start`
+    of a slot's buffers, made once per slot (`views`)."""
+    key = (start, like.dtype, like.shape)
+    pair = views.get(key)
+    if pair is None:
+        pair = views[key] = (_view(host, start, like).numpy(), _view(device, start, like))
+    return pair
+
+
+def _view(buffer: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
+    return buffer[start:start + like.nbytes].view(like.dtype).view(like.shape)
 
 
 def _starts(parts: list[torch.Tensor]) -> list[int]:
