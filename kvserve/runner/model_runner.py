@@ -159,6 +159,10 @@ class ModelRunner:
         return self.launch(out, block_tables).resolve()
 
     def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
+        if (out.decode is not None and out.decode.on_device and previous is not None
+                and previous.sample is not None and _same_requests(out.scheduled, previous.rows)):
+            inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: every token pending, row i is row i
+            return
         flat = (inputs.host.input_ids == PENDING_TOKEN).nonzero().flatten()
         if not len(flat):
             return
