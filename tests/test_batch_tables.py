@@ -179,6 +179,17 @@ def test_a_wider_table_renews_only_its_own_views():
         assert old[0] is new[0] and old[1] is new[1] and old[2] is not new[2]
 
 
+def test_uploads_inside_and_outside_inference_mode_share_a_ring():
+    """The engine uploads under inference mode; a test or a worker may not. A
+    slot laid out under it is written again outside it, and the other way round."""
+    ring, rng = cpu_ring(), torch.Generator().manual_seed(5)
+    for step in range(3 * StagingRing.SLOTS):
+        parts = [torch.randint(0, 99, (9,), generator=rng), torch.randint(0, 99, (2, 3), generator=rng)]
+        with torch.inference_mode(step % 3 == 0):
+            views = ring.upload(parts)
+        assert all(map(torch.equal, views, parts))
+
+
 def test_staging_ring_reuses_a_buffer_only_after_its_copy_and_grows_rarely():
     ring = cpu_ring()
     seen = {}

@@ -104,9 +104,13 @@ class StagingRing:
         """(host, device) buffers of `slot`, whole."""
         return self._host[slot], self._device[slot]
 
+    @torch.inference_mode(False)
     def _lay_out(self, slot: int, key: tuple, parts: list[torch.Tensor]) -> Layout:
         """`slot`'s layout for `parts`, from the slot's views by (start, dtype,
-        shape): when one table grows a block wider, only its views are new."""
+        shape): when one table grows a block wider, only its views are new.
+        Buffers and views are made as normal tensors, even under inference
+        mode (the engine's steps): an inference tensor's later in-place
+        write (the next upload's copy) outside it would raise."""
         starts = _starts(parts)
         host, device = self._grown(slot, starts[-1])
         views = self._views[slot]
