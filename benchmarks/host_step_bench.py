@@ -226,10 +226,25 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
     # busy shared machine, each part's best step.
     stat = statistics.median if a.stat == "median" else min
     row = {part: stat(s[part] for s in samples) / 1e3 for part in samples[0] if ":" not in part}
+    row["free"] = time_frees(engine)
     inner = {k for s in samples for k in s if ":" in k}   # `--parts`: means, a call need not come every step
     row.update({k: sum(s.get(k, 0) for s in samples) / len(samples) / (1 if k.startswith("calls:") else 1e3)
                 for k in inner})
     return row
+
+
+def time_frees(engine: LLMEngine) -> float:
+    """Median us of freeing one running request's KV after the timed steps, which
+    offers the blocks its decode steps filled to the prefix cache (about
+    (warmup + steps) / block_size of them here). A served request pays it once,
+    when it finishes; the steps above do not include it. Leaves the engine
+    unusable (its requests still run); run last."""
+    kv, times = engine.kv_cache, []
+    for request in list(engine.scheduler.running):
+        start = time.perf_counter_ns()
+        kv.free(request)
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1e3 if times else 0.0
 
 
 def core_outputs(core: EngineCore, touched: list) -> bytes:
@@ -264,6 +279,9 @@ def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
         cells = [r[p] for p in HOST_PARTS] + [total, r["core_out"], r["launch_rest"], r["wait"]]
         print(f"{n:>12} " + " ".join(f"{c:>12.1f}" for c in cells))
     print_parts(rows)
+    print("free (us, median): a request's KV freed after the timed steps, its decode-filled blocks "
+          "offered to the prefix cache (once per finished request; not in the steps): "
+          + ", ".join(f"{r['free']:.1f} at {n}" for n, r in rows.items()))
     print(f"microseconds per step ({stat} over the timed steps); + serving's engine core adds it to every step "
           "(not in host_total); * not host bookkeeping: forward/sampling launch (CPU: the compute) and the wait "
           "for the step in flight")

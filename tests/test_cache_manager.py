@@ -206,10 +206,11 @@ def test_reset_prefix_cache():
     assert _admit(manager, _request("b", list(range(9)))) == 0
 
 
-def test_a_block_filled_by_a_pending_token_is_cached_when_the_next_block_opens():
+def test_a_block_its_decode_steps_filled_is_cached_when_its_request_frees_it():
     """Pipelined decode: the token that fills a block is still on the device
-    when the block fills, so the allocation that opens the next block (one
-    token later) must cache it; a new request then hits it at once."""
+    when the block fills. The decode paths leave such blocks to `free`
+    (`_offer_deferred`): while the request runs, a new request hits its prompt
+    blocks only; once it is freed (finished, aborted, preempted), all of them."""
     manager = KVCacheManager(make_kv_cache_groups([FULL] * 2), num_blocks=32, block_size=4)
     a = _request("a", [1, 2, 3, 4, 5, 6])
     _admit(manager, a)
@@ -217,10 +218,25 @@ def test_a_block_filled_by_a_pending_token_is_cached_when_the_next_block_opens()
         assert manager.allocate_slots(a, 1)
         a.num_computed_tokens += 1
         a.output_token_ids.append(token)
-    assert manager.get_computed_blocks(_request("x", list(range(1, 10))))[1] == 4
     assert manager.allocate_slots(a, 1)  # opens block 2: block 1 ([5, 6, 7, 8]) is known now
     manager.check_integrity()
+    assert manager.get_computed_blocks(_request("x", list(range(1, 10))))[1] == 4
+    manager.free(a)
+    manager.check_integrity()
     assert manager.get_computed_blocks(_request("b", list(range(1, 10))))[1] == 8
+
+
+def test_a_block_whose_last_token_is_unknown_stays_uncached_when_freed():
+    """Freed while the token that fills its tail is still on the device (an
+    abort mid-step): the tail holds a token the host does not know. Freeing
+    offers the blocks before it and does not trip over the unknown token."""
+    manager = KVCacheManager(make_kv_cache_groups([FULL]), num_blocks=32, block_size=4)
+    a = _request("a", [1, 2, 3, 4, 5, 6])
+    _admit(manager, a)
+    a.output_token_ids.append(7)
+    assert manager.allocate_slots(a, 2)   # positions 6 and 7 scheduled; token 8 not sampled yet
+    manager.free(a)
+    assert manager.get_computed_blocks(_request("b", [1, 2, 3, 4, 5, 6, 7, 99, 9]))[1] == 4
 
 
 def test_can_allocate_at_a_block_boundary_changes_nothing():

@@ -421,10 +421,10 @@ def test_swap_round_trip_counts():
 
 # -- the decode fast path (moves within the tail block) ------------------------------------
 
-def test_a_decode_step_that_fills_the_tail_block_caches_it_at_once():
+def test_a_decode_step_that_fills_the_tail_block_is_cached_if_the_request_finishes_there():
     """Prompt of 6 (block size 4), two decode steps: the second fills block 2.
-    A request with the same 8 tokens then hits both blocks, before any later
-    step of the first (the request may finish right there)."""
+    The request may finish right there: freeing it caches both blocks, and a
+    request with the same 8 tokens hits them (while it ran, only block 1)."""
     kv = manager([FULL], 8)
     a = request("a", [1, 2, 3, 4, 5, 6])
     assert kv.allocate_slots(a, 6)
@@ -435,6 +435,9 @@ def test_a_decode_step_that_fills_the_tail_block_caches_it_at_once():
         a.num_computed_tokens += 1
     kv.check_integrity()
     assert kv.fragmentation() == 0.0
+    assert kv.get_computed_blocks(request("x", [1, 2, 3, 4, 5, 6, 7, 8, 9]))[1] == 4
+    kv.free(a)
+    kv.check_integrity()
     _, num_hit = kv.get_computed_blocks(request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert num_hit == 8
 

@@ -147,7 +147,7 @@ def test_load_ahead_admission_waits_one_step(llama):
     only from the next step on, with the loads already issued."""
     llm = _llm(llama, num_kv_blocks=40, cpu_kv_cache_gb=0.001, preemption_mode="swap")
     engine, scheduler = llm.engine, llm.engine.scheduler
-    a, b = random_prompts([40, 30], seed=5)
+    a, b = random_prompts([40, 31], seed=5)   # b's tail block is partial at the swap: private, to the host
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     req_a, req_b = engine.make_request(a, params), engine.make_request(b, params)
     for request in (req_a, req_b):
