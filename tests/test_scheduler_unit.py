@@ -617,6 +617,26 @@ def test_swap_out_cost_leaves_out_the_cached_prefix():
     assert no_host.swap_out_cost(r) == (0, 10) and not no_host.can_swap_out(r)
 
 
+
+def test_a_swap_out_leaves_decode_filled_blocks_to_the_prefix_cache():
+    """A 6-token prompt, then decode steps through block 1 (known) into block 2:
+    the decode paths leave block 1 unoffered, yet the swap's cost and its copy
+    count it as the cached prefix (it is offered at the swap-out), so only
+    block 2 goes to the host and block 1 is a hit afterwards."""
+    kv = KVCacheManager(make_kv_cache_groups([FullAttentionSpec()]), 16, 4,
+                        enable_prefix_caching=True, host_tier=HostTier(8, block_bytes=1000))
+    r = request("A", 6)
+    assert kv.allocate_slots(r, 6)
+    r.num_computed_tokens = 6
+    for token in (7, 8, 9):   # pipelined: position p is scheduled before token p is known
+        assert kv.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+        r.output_token_ids.append(token)
+    assert kv.swap_out_cost(r) == (1000, 1) and kv.can_swap_out(r)
+    kv.swap_out(r)
+    assert kv.num_swap_outs == 1 and kv.host_tier.num_free_for_swap() == 7
+    assert kv.get_computed_blocks(Request("B", r.all_token_ids[:8] + [1], r.sampling_params))[1] == 8
+
 # -- shared-prefix admission ("prefix" policy) -----------------------------------------------
 
 FILE_X, FILE_Y = list(range(10, 22)), list(range(50, 62))  # three 4-token blocks each

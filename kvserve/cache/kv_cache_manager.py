@@ -520,8 +520,12 @@ class KVCacheManager:
         if self.enable_prefix_caching and total is not None:
             self._cache_full_blocks(request, total)
 
+    def _num_full_known(self, request: Request, total: int) -> int:
+        """Blocks of [0, total) full of tokens the host knows: those caching offers."""
+        return min(total, len(request.prompt_token_ids) + len(request.output_token_ids)) // self.block_size
+
     def _cache_full_blocks(self, request: Request, total: int) -> None:
-        num_full = min(total, len(request.prompt_token_ids) + len(request.output_token_ids)) // self.block_size
+        num_full = self._num_full_known(request, total)
         request_id = request.request_id
         first = min([m.num_cached_blocks.get(request_id, 0) for m in self.managers])
         if first >= num_full:
@@ -564,14 +568,15 @@ class KVCacheManager:
 
     # ---- swap -----------------------------------------------------------
     def _num_prefix_blocks(self, request: Request) -> int:
-        """Leading blocks every group offered to the hash map: a swap leaves them
-        to the prefix cache instead of copying them."""
+        """Leading blocks every group offered to the hash map, or will offer when
+        it swaps out (`_offer_deferred`): a swap leaves them to the prefix cache
+        instead of copying them."""
         if not self.enable_prefix_caching:
             return 0
-        self._offer_deferred(request)
         rid = request.request_id
         cached = min(m.num_cached_blocks.get(rid, 0) for m in self.managers)
-        return min(cached, request.num_computed_tokens // self.block_size)
+        offered = max(cached, self._num_full_known(request, self._num_tokens.get(rid, 0)))
+        return min(offered, request.num_computed_tokens // self.block_size)
 
     def _swap_tables(self, request: Request) -> list[list[KVBlock]]:
         """The blocks a swap copies, per group: those holding computed tokens
@@ -603,6 +608,7 @@ class KVCacheManager:
         them after the prefix (see module doc)."""
         if not self.can_swap_out(request):
             raise ValueError(f"request {request.request_id!r} cannot be swapped out")
+        self._offer_deferred(request)
         num_prefix_tokens = self._num_prefix_blocks(request) * self.block_size
         tables = []
         for table in self._swap_tables(request):
