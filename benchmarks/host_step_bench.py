@@ -41,7 +41,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgspec
 import torch
@@ -204,6 +204,15 @@ def measure(a: argparse.Namespace, n: int) -> dict[str, float]:
 
 def prepare(engine: LLMEngine, a: argparse.Namespace, n: int) -> EngineCore:
     """`n` requests decoding, warmed up; the engine core whose output builder the steps time."""
+    for core in preparation(engine, a, n):
+        pass
+    return core
+
+
+def preparation(engine: LLMEngine, a: argparse.Namespace, n: int) -> Iterator[EngineCore]:
+    """`prepare`, one engine step at a time (the core after each): host_step_ab.py
+    interleaves two engines' preparations, so neither builds its requests' objects
+    all after the other's."""
     if a.stub_forward:
         stub_forward(engine)
     add_requests(engine, n, a)
@@ -211,10 +220,11 @@ def prepare(engine: LLMEngine, a: argparse.Namespace, n: int) -> EngineCore:
     core._num_sent.update((request_id, 0) for request_id in engine.requests)
     while not all_decoding(engine, n):
         core_outputs(core, engine.step())
+        yield core
     for _ in range(a.warmup):
         core_outputs(core, engine.step())
         engine.get_metrics()
-    return core
+        yield core
 
 
 def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int) -> dict[str, float]:
