@@ -118,8 +118,7 @@ class StagingRing:
         views = self._views[slot]
         if len(views) > self.MAX_VIEWS:   # mixed steps: a new token count each step
             views.clear()
-        pairs = [views.get((start, t.dtype, t.shape)) or self._view_pair(slot, start, t)
-                 for t, start in zip(parts, starts)]
+        pairs = [self._view_pair(slot, start, t) for t, start in zip(parts, starts)]
         span = views.get(starts[-1])   # the bytes one upload copies, keyed by their count
         if span is None:
             span = views[starts[-1]] = (self._host[slot][:starts[-1]], self._device[slot][:starts[-1]])
@@ -127,19 +126,21 @@ class StagingRing:
 
     def _view_pair(self, slot: int, start: int, like: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """(host numpy view, device view) of `like`'s dtype and shape at byte
-        `start` of `slot`'s buffers, kept in the slot's views. Cut from the
-        buffers' whole views of that dtype: a numpy slice and one or two tensor
-        ops. A 256-row decode layout built from nothing then takes ~46 us on
-        this project's CPU, against ~124 us with three tensor ops and a numpy
+        `start` of `slot`'s buffers: the slot's own, made on first use. Cut from
+        the buffers' whole views of that dtype: a numpy slice and one or two
+        tensor ops. A 256-row decode layout built from nothing then takes ~46 us
+        on this project's CPU, against ~124 us with three tensor ops and a numpy
         view a part (measured in one run, the machine busy)."""
-        host_all, device_all = self._typed(slot, like.dtype)
-        first = start // like.element_size()
-        last = first + like.numel()
-        device_view = device_all[first:last]
-        if like.dim() != 1:
-            device_view = device_view.view(like.shape)
-        pair = self._views[slot][(start, like.dtype, like.shape)] = (host_all[first:last].reshape(like.shape),
-                                                                     device_view)
+        key = (start, like.dtype, like.shape)
+        pair = self._views[slot].get(key)
+        if pair is None:
+            host_all, device_all = self._typed(slot, like.dtype)
+            first = start // like.element_size()
+            last = first + like.numel()
+            device_view = device_all[first:last]
+            if like.dim() != 1:
+                device_view = device_view.view(like.shape)
+            pair = self._views[slot][key] = (host_all[first:last].reshape(like.shape), device_view)
         return pair
 
     def _typed(self, slot: int, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
