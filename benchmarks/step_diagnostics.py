@@ -12,6 +12,7 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
                                                     # 30 req/s); VOCAB 49152: the served directory's (vllm_step_profile.py)
   python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
                                                     # the drain before long eager launches off and on
+  python3 benchmarks/step_diagnostics.py prefill8k   # kernel time of 8K-token eager prefill steps, by kind
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
@@ -136,6 +137,41 @@ def decode24() -> None:
     print(f"decode24: {(times[129] - times[1]) / 128 * 1e3:.2f} ms/step (24 seqs x ~3.7K context)")
 
 
+KERNEL_KINDS = (("attention", ("_prefill", "_decode", "attn", "fmha", "flash")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+                ("memset/copy", ("memset", "memcpy", "copy", "fill")))
+
+
+def prefill8k() -> None:
+    """Three fresh 8,000-token prompts through 8,192-token steps (eager, as a served burst's long
+    prompts run): device ms a step by kernel kind and the top kernels, and the GEMMs' TFLOP/s."""
+    from torch.profiler import ProfilerActivity, profile
+    from kvserve import LLM, SamplingParams
+    llm = LLM("dummy:qwen3-8b", max_model_len=8192, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              hf_overrides={"vocab_size": 49152}, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [100 + (i * 7919 + j * 31) % 40000 for j in range(8000)]} for i in range(3)]
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    steps = 3   # 24,000 tokens in 8,192-token steps
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kinds: dict[str, float] = {}
+    for e in events:
+        kind = next((k for k, keys in KERNEL_KINDS if any(w in e.key.lower() for w in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
+    print(f"prefill8k: 24,000 prompt tokens in {steps} steps, wall {wall * 1e3 / steps:.1f} ms/step (profiler on)")
+    print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    gemm_flops = 2 * 8000 * 6.95e9   # Qwen3-8B's 36 layers' projections, per 8,000 tokens
+    print(f"  gemm {gemm_flops / (kinds.get('gemm', 1) / 1e3) / 1e12:.0f} TFLOP/s over the layers' weights")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:16]:
+        print(f"  {e.self_device_time_total / 1e3 / steps:8.2f} ms/step  n={e.count / steps:6.1f}  {e.key[:90]}")
+
+
 def mixed_burst() -> None:
     """The served mixed burst's shape, offline: 32 requests decoding, then 12 prompts of ~7K tokens
     join (one 8K-token step each, eager); four bursts, the engine's drain before long eager launches
@@ -195,4 +231,5 @@ def burst_row(engine, rng: random.Random, decoding: list, drain: bool) -> str:
 if __name__ == "__main__":
     patch_decode_config()
     what = sys.argv[1]
-    {"copy": copy_speed, "pcie": pcie, "decode24": decode24, "mixedburst": mixed_burst}.get(what, lambda: step_profile(what))()
+    {"copy": copy_speed, "pcie": pcie, "decode24": decode24, "mixedburst": mixed_burst,
+     "prefill8k": prefill8k}.get(what, lambda: step_profile(what))()

@@ -1,0 +1,155 @@
+"""How far the paged prefill kernel sits from what this GPU's attention can do.
+
+At the shapes of a served 8K-token eager step (Qwen3-8B heads: 32 q / 8 kv,
+head_dim 128, bf16, block size 16), times:
+- the paged kernel as large eager steps run it (`LARGE_TILES`) and as graphs run it (default);
+- torch SDPA, cuDNN and flash backends, on contiguous tensors with the KV heads expanded
+  (cuDNN's fused attention is FA3-class on Hopper; flash is FA2);
+- a contiguous causal kernel in Triton that loads Q/K/V tiles through tensor descriptors
+  (TMA), one query head a program or one GQA group a program, over a few tile shapes.
+Rows print TFLOP/s (causal FLOPs: 4 * heads * head_dim * keys seen). Fresh prompts only
+(no cached prefix): the chunk's own keys are all a fresh prompt attends.
+
+    python3 benchmarks/prefill_headroom.py
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from kvserve.attention.kernels import PrefillConfig, prefill_attention
+from kvserve.attention.kernels.mixed import LARGE_TILES
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+GROUP = HEADS // KV_HEADS
+SHAPES = [(1, 8192), (2, 4096), (8, 1024)]
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fold(q, k, v, m_i, l_i, acc, qk_scale, rows_pos, keys_pos, MASK: tl.constexpr):
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        s = tl.where(rows_pos[:, None] >= keys_pos[None, :], s, -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tma_causal(q_desc, k_desc, v_desc, out_ptr, S, qk_scale,
+                H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Equal-length sequences; program (query tile, sequence x head or x kv head)."""
+    q_tile = tl.program_id(0)
+    b = tl.program_id(1) // (H // GROUP if PACKED else H)
+    h = tl.program_id(1) % (H // GROUP if PACKED else H)
+    kvh = h if PACKED else h // GROUP
+    ROWS: tl.constexpr = BLOCK_Q * GROUP if PACKED else BLOCK_Q
+    row0 = b * S + q_tile * BLOCK_Q
+    if PACKED:
+        q = q_desc.load([row0, kvh * GROUP, 0]).reshape(ROWS, D)
+    else:
+        q = q_desc.load([row0, h, 0]).reshape(ROWS, D)
+    rows_pos = q_tile * BLOCK_Q + (tl.arange(0, ROWS) // GROUP if PACKED else tl.arange(0, ROWS))
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    diag = q_tile * BLOCK_Q // BLOCK_N * BLOCK_N
+    for n in tl.range(0, diag, BLOCK_N):
+        k = k_desc.load([b * S + n, kvh, 0]).reshape(BLOCK_N, D)
+        v = v_desc.load([b * S + n, kvh, 0]).reshape(BLOCK_N, D)
+        m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, qk_scale, rows_pos, rows_pos, False)
+    for n in tl.range(diag, (q_tile + 1) * BLOCK_Q, BLOCK_N):
+        k = k_desc.load([b * S + n, kvh, 0]).reshape(BLOCK_N, D)
+        v = v_desc.load([b * S + n, kvh, 0]).reshape(BLOCK_N, D)
+        m_i, l_i, acc = _fold(q, k, v, m_i, l_i, acc, qk_scale, rows_pos, n + tl.arange(0, BLOCK_N), True)
+    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+    heads = kvh * GROUP + tl.arange(0, ROWS) % GROUP if PACKED else h + tl.arange(0, ROWS) * 0
+    toks = (row0 + (tl.arange(0, ROWS) // GROUP if PACKED else tl.arange(0, ROWS))).to(tl.int64)
+    tl.store(out_ptr + (toks * H + heads)[:, None] * D + tl.arange(0, D)[None, :], out)
+
+
+def tma_attention(q, k, v, out, batch, seq, packed, block_q, block_n, warps, stages):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    qd = TensorDescriptor.from_tensor(q, [block_q, GROUP if packed else 1, HEAD_DIM])
+    kd = TensorDescriptor.from_tensor(k, [block_n, 1, HEAD_DIM])
+    vd = TensorDescriptor.from_tensor(v, [block_n, 1, HEAD_DIM])
+    grid = (seq // block_q, batch * (KV_HEADS if packed else HEADS))
+    _tma_causal[grid](qd, kd, vd, out, seq, HEAD_DIM ** -0.5 * LOG2E, H=HEADS, GROUP=GROUP, D=HEAD_DIM,
+                      PACKED=packed, BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out
+
+
+def reference(q, k, v, batch, seq):
+    qc, kc, vc = (t.view(batch, seq, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+    kc, vc = (t.repeat_interleave(GROUP, 1) for t in (kc, vc))
+    return F.scaled_dot_product_attention(qc.float(), kc.float(), vc.float(), is_causal=True)
+
+
+def paged(q, k, v, batch, seq):
+    blocks = batch * seq // 16
+    ids = torch.randperm(blocks, device="cuda") + 1
+    cache = torch.zeros(2, blocks + 1, 16, KV_HEADS, HEAD_DIM, dtype=q.dtype, device="cuda")
+    cache[0, ids], cache[1, ids] = k.view(blocks, 16, KV_HEADS, HEAD_DIM), v.view(blocks, 16, KV_HEADS, HEAD_DIM)
+    table = ids.view(batch, -1).to(torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * seq
+    lens = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
+    return cache, table, starts, lens
+
+
+def rows_for(batch: int, seq: int) -> list[str]:
+    torch.manual_seed(0)
+    q = torch.randn(batch * seq, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn(2, batch * seq, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    flops = 4 * batch * HEADS * HEAD_DIM * seq * (seq + 1) // 2
+    ref = reference(q, k, v, batch, seq).transpose(1, 2).reshape(batch * seq, HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+    rows = []
+
+    def row(label, fn):
+        try:
+            got = fn()
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            ms = do_bench(fn, warmup=25, rep=100)
+            rows.append(f"{batch}x{seq} {label:<46} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s  rel err {err:.1e}")
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row, not a stop
+            rows.append(f"{batch}x{seq} {label:<46} failed: {type(e).__name__}: {str(e)[:160]}")
+        print(rows[-1], flush=True)
+
+    cache, table, starts, lens = paged(q, k, v, batch, seq)
+    for name, cfg in (("paged large tiles (eager)", LARGE_TILES), ("paged default (graphs)", PrefillConfig())):
+        row(name, lambda cfg=cfg: prefill_attention(q, cache, out, table, starts, lens, seq, HEAD_DIM ** -0.5,
+                                                    None, 0, cfg))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qc = q.view(batch, seq, HEADS, HEAD_DIM).transpose(1, 2)
+    kc, vc = (t.view(batch, seq, KV_HEADS, HEAD_DIM).repeat_interleave(GROUP, 2).transpose(1, 2) for t in (k, v))
+    for name, backend in (("sdpa cudnn (heads expanded)", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa flash (heads expanded)", SDPBackend.FLASH_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True).transpose(1, 2).reshape(
+                    batch * seq, HEADS, HEAD_DIM)
+        row(name, sdpa)
+    for packed, bq, bn, w, st in ((False, 128, 64, 4, 3), (False, 128, 128, 8, 3), (False, 128, 64, 8, 3),
+                                  (False, 128, 128, 8, 2), (True, 32, 64, 4, 3), (True, 32, 128, 8, 3),
+                                  (True, 64, 64, 8, 3), (True, 64, 128, 8, 2), (True, 32, 64, 8, 4)):
+        label = f"tma {'gqa-packed' if packed else 'per-head'} q={bq} n={bn} w={w} st={st}"
+        row(label, lambda a=(packed, bq, bn, w, st): tma_attention(q, k, v, out, batch, seq, *a))
+    return rows
+
+
+def main() -> None:
+    print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}")
+    for batch, seq in SHAPES:
+        rows_for(batch, seq)
+
+
+if __name__ == "__main__":
+    main()
