@@ -7,8 +7,10 @@ head_dim 128, bf16, block size 16), times:
   (cuDNN's fused attention is FA3-class on Hopper; flash is FA2);
 - a contiguous causal kernel in Triton that loads Q/K/V tiles through tensor descriptors
   (TMA), one query head a program or one GQA group a program, over a few tile shapes.
-Rows print TFLOP/s (causal FLOPs: 4 * heads * head_dim * keys seen). Fresh prompts only
-(no cached prefix): the chunk's own keys are all a fresh prompt attends.
+- the TMA path large eager steps take (`kernels/prefill_tma.py`), through `mixed_attention`.
+Rows print TFLOP/s (causal FLOPs: 4 * heads * head_dim * keys seen) and, for fresh prompts,
+the relative error against a float32 SDPA. The last rows time chunks after a cached prefix
+(paged kernel against the TMA path; no reference there: tests/test_triton_kernels.py checks it).
 
     python3 benchmarks/prefill_headroom.py
 """
@@ -21,11 +23,13 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from kvserve.attention.kernels import PrefillConfig, prefill_attention
+from kvserve.attention.kernels import mixed_attention
 from kvserve.attention.kernels.mixed import LARGE_TILES
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUP = HEADS // KV_HEADS
 SHAPES = [(1, 8192), (2, 4096), (8, 1024)]
+PREFIX_SHAPES = [(1, 4096, 4096), (2, 2048, 2000), (4, 512, 1504), (3, 1000, 7000)]
 LOG2E = 1.4426950408889634
 
 
@@ -127,6 +131,8 @@ def rows_for(batch: int, seq: int) -> list[str]:
     for name, cfg in (("paged large tiles (eager)", LARGE_TILES), ("paged default (graphs)", PrefillConfig())):
         row(name, lambda cfg=cfg: prefill_attention(q, cache, out, table, starts, lens, seq, HEAD_DIM ** -0.5,
                                                     None, 0, cfg))
+    row("tma path (mixed_attention, fresh K/V)", lambda: mixed_attention(
+        q, cache, out, table, starts, lens, seq, seq, HEAD_DIM ** -0.5, None, 0, fresh_kv=(k, v)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qc = q.view(batch, seq, HEADS, HEAD_DIM).transpose(1, 2)
     kc, vc = (t.view(batch, seq, KV_HEADS, HEAD_DIM).repeat_interleave(GROUP, 2).transpose(1, 2) for t in (k, v))
@@ -145,10 +151,36 @@ def rows_for(batch: int, seq: int) -> list[str]:
     return rows
 
 
+def prefix_rows(batch: int, new: int, prefix: int) -> None:
+    """`batch` chunks of `new` tokens after `prefix` cached ones: paged kernel against the TMA path."""
+    torch.manual_seed(0)
+    total = prefix + new
+    q = torch.randn(batch * new, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn(2, batch * total, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    cache, table, _, _ = paged(q, k, v, batch, total)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * new
+    lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
+    fresh = tuple(t.view(batch, total, KV_HEADS, HEAD_DIM)[:, prefix:].reshape(-1, KV_HEADS, HEAD_DIM) for t in (k, v))
+    out = torch.empty_like(q)
+    flops = 4 * batch * HEADS * HEAD_DIM * (new * prefix + new * (new + 1) // 2)
+    paged_out = prefill_attention(q, cache, out.clone(), table, starts, lens, new, HEAD_DIM ** -0.5, None, 0,
+                                  LARGE_TILES)
+    for name, fn in (("paged large tiles", lambda: prefill_attention(q, cache, out, table, starts, lens, new,
+                                                                      HEAD_DIM ** -0.5, None, 0, LARGE_TILES)),
+                     ("tma path", lambda: mixed_attention(q, cache, out, table, starts, lens, new, total,
+                                                          HEAD_DIM ** -0.5, None, 0, fresh_kv=fresh))):
+        ms = do_bench(fn, warmup=25, rep=100)
+        diff = ((out.float() - paged_out.float()).norm() / paged_out.float().norm()).item()
+        print(f"{batch}x{new} after {prefix} {name:<24} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s"
+              f"  rel diff to paged {diff:.1e}", flush=True)
+
+
 def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}")
     for batch, seq in SHAPES:
         rows_for(batch, seq)
+    for shape in PREFIX_SHAPES:
+        prefix_rows(*shape)
 
 
 if __name__ == "__main__":

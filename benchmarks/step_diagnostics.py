@@ -13,6 +13,7 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
   python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
                                                     # the drain before long eager launches off and on
   python3 benchmarks/step_diagnostics.py prefill8k   # kernel time of 8K-token eager prefill steps, by kind
+                                                    # (TMA=0: without the TMA prefill path)
 
 An A/B against an older tree runs the same script with PYTHONPATH pointing at it
 (`git archive <commit> kvserve | tar -x -C _old; PYTHONPATH=$PWD/_old python3 ...`).
@@ -147,6 +148,9 @@ def prefill8k() -> None:
     prompts run): device ms a step by kernel kind and the top kernels, and the GEMMs' TFLOP/s."""
     from torch.profiler import ProfilerActivity, profile
     from kvserve import LLM, SamplingParams
+    from kvserve.attention.kernels import mixed
+    if os.environ.get("TMA") == "0":   # the paged kernel's large tiles, as before the TMA path
+        mixed.TMA_MIN_TOKENS = 1 << 30
     llm = LLM("dummy:qwen3-8b", max_model_len=8192, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               hf_overrides={"vocab_size": 49152}, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -164,7 +168,7 @@ def prefill8k() -> None:
     for e in events:
         kind = next((k for k, keys in KERNEL_KINDS if any(w in e.key.lower() for w in keys)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
-    print(f"prefill8k: 24,000 prompt tokens in {steps} steps, wall {wall * 1e3 / steps:.1f} ms/step (profiler on)")
+    print(f"prefill8k (TMA path {'off' if os.environ.get('TMA') == '0' else 'on'}): 24,000 prompt tokens in {steps} steps, wall {wall * 1e3 / steps:.1f} ms/step (profiler on)")
     print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     gemm_flops = 2 * 8000 * 6.95e9   # Qwen3-8B's 36 layers' projections, per 8,000 tokens
     print(f"  gemm {gemm_flops / (kinds.get('gemm', 1) / 1e3) / 1e12:.0f} TFLOP/s over the layers' weights")

@@ -107,13 +107,24 @@ def _whole_batch_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
+def _packed_views(q, k, v):
+    """k and v as the model hands them over: views into one [T, (H + 2 KVH) * D] tensor."""
+    packed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+    q_width, kv_width = q[0].numel(), k[0].numel()
+    return (packed[:, q_width:q_width + kv_width].view(k.shape),
+            packed[:, q_width + kv_width:].view(v.shape))
+
+
 def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
                     device="cuda", seed=0, decode_config=None,
-                    dtype=torch.bfloat16, fused_write=False, prefill_config=None) -> float:
+                    dtype=torch.bfloat16, fused_write=False, prefill_config=None,
+                    fresh_kv=False) -> float:
     """Run the kernels directly (NaN-poisoned output) and return the rel. error.
 
     fused_write (decode batches): the decode kernel writes the new K/V itself;
-    the cache afterwards must equal a torch index-copy write, bit for bit."""
+    the cache afterwards must equal a torch index-copy write, bit for bit.
+    fresh_kv: mixed batches also hand the kernels this step's K/V as the model
+    does, as strided views of one packed q|k|v projection output."""
     from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
     from kvserve.attention.torch_ref import write_kv
     from kvserve.attention.triton_backend import mask_bounds
@@ -137,6 +148,8 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
         decode_attention(*args, meta.max_seq_len, layer.scale, window, sink, **extra)
     else:  # what the backend runs: one-query rows to the decode kernel, the rest varlen
         extra = {} if prefill_config is None else {"prefill_config": prefill_config}
+        if fresh_kv:
+            extra["fresh_kv"] = _packed_views(q, k, v)
         mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink, **extra)
     # NaN == NaN here: never-written slots must stay exactly as they were.
     assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"
@@ -224,6 +237,39 @@ def test_large_eager_steps_tile_config(block_size, seqs):
     for spec in (FullAttentionSpec(), SlidingWindowSpec(window=45)):
         err = check_attention(seqs, spec, block_size, heads=32, kv_heads=8, prefill_config=config)
         assert err < TOL, (spec, err)
+
+
+# A large eager step: fresh prompts, chunks after cached prefixes that end inside a key
+# tile, a chunk shorter than one query tile, and decodes, past the TMA path's threshold.
+TMA_STEP = [(0, 2100), (0, 1), (300, 1000), (5000, 1), (17, 129), (4096, 40), (0, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (8, 2), (8, 8)])
+def test_tma_prefill_matches_reference(block_size, heads, kv_heads, monkeypatch):
+    """Large eager steps read the chunk's keys from the step's K/V through TMA
+    (kernels/prefill_tma.py): exact against the reference over the cached prefix plus the
+    chunk, and actually taken (a spy counts its launches)."""
+    from kvserve.attention.kernels import mixed
+    calls = []
+    real = mixed.prefill_attention_tma
+    monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    err = check_attention(TMA_STEP, FullAttentionSpec(), block_size, heads=heads, kv_heads=kv_heads,
+                          seed=block_size + heads, fresh_kv=True)
+    assert calls, "the TMA path was not taken"
+    assert err < TOL
+
+
+@pytest.mark.gpu
+def test_tma_prefill_leaves_other_steps_alone(monkeypatch):
+    """Sliding windows, steps under the threshold and launches without the step's K/V
+    keep the paged kernel."""
+    from kvserve.attention.kernels import mixed
+    monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: pytest.fail("TMA path taken"))
+    assert check_attention(TMA_STEP, SlidingWindowSpec(window=45), 16, heads=32, kv_heads=8, fresh_kv=True) < TOL
+    assert check_attention(MIXED, FullAttentionSpec(), 16, heads=32, kv_heads=8, fresh_kv=True) < TOL
+    assert check_attention(TMA_STEP, FullAttentionSpec(), 16, heads=32, kv_heads=8) < TOL
 
 
 @pytest.mark.gpu

@@ -4,7 +4,9 @@ Owns the choice of kernel per batch: decode-only batches (max_query_len == 1)
 go to the split-KV decode kernel. In any batch with a longer query (prefill,
 chunked prefill, or prefill mixed with decodes) the one-query sequences still
 go to the decode kernel and the rest to the varlen prefill kernel
-(`kernels/mixed.py`). Decode batches write their new K/V
+(`kernels/mixed.py`; in large eager steps the prompt rows read their own
+chunk's keys from this step's K/V through TMA, `kernels/prefill_tma.py`).
+Decode batches write their new K/V
 inside the decode kernel; other batches run the cache-write kernel first.
 Grid sizes come from the metadata's host
 copies, so forward issues no host-device synchronisation.
@@ -39,7 +41,7 @@ class TritonAttentionBackend:
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
-                               tiles=meta.prefill_tiles)
+                               tiles=meta.prefill_tiles, fresh_kv=(k, v))
 
 
 def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:

@@ -17,6 +17,7 @@ import torch
 
 from kvserve.attention.kernels.decode import decode_attention
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
+from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
 from kvserve.attention.metadata import PrefillTiles
 
 # An eager step of many prompt tokens (graphs keep the default: their tile tables are built
@@ -25,6 +26,16 @@ from kvserve.attention.metadata import PrefillTiles
 # attention only. Their shared memory needs a 2-byte cache and head_dim <= 128.
 LARGE_TILES = PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 LARGE_TILES_MIN_TOKENS = 4096
+# Eager steps from here up read their prompt rows' own keys through TMA (`prefill_tma.py`):
+# every step past the largest mixed graph (2,048 tokens), and enough query tiles to fill
+# the GPU without split-KV, which that kernel lacks.
+TMA_MIN_TOKENS = 2048
+
+
+def takes_tma(num_tokens: int, head_dim: int, window: int | None) -> bool:
+    """Whether an eager step's prompt rows read their own chunk's keys through TMA
+    (`prefill_tma.py`; the device and layout checks are `supports_tma`'s)."""
+    return num_tokens >= TMA_MIN_TOKENS and head_dim <= 128 and window is None
 
 
 def takes_large_tiles(num_tokens: int, head_dim: int, element_size: int, window: int | None) -> bool:
@@ -35,16 +46,23 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     block_table: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
                     window: int | None, sink: int, tiles: PrefillTiles | None = None,
-                    prefill_config: PrefillConfig = PrefillConfig()) -> torch.Tensor:
+                    prefill_config: PrefillConfig = PrefillConfig(),
+                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
     longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
     are built for `prefill_config`'s query tile. Without tiles and a config of
-    its own, a large step takes LARGE_TILES."""
-    if tiles is None and prefill_config == PrefillConfig() \
-            and takes_large_tiles(q.shape[0], q.shape[-1], kv_cache.element_size(), window):
-        prefill_config = LARGE_TILES
+    its own, a large step's prompt rows read their chunk's keys from `fresh_kv`
+    (this step's K/V, [T, KVH, D]) through TMA where the GPU allows, or take
+    LARGE_TILES."""
     decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, max_seq_len,
                      scale, window, sink, single_only=True)
+    eager_default = tiles is None and prefill_config == PrefillConfig()
+    if eager_default and fresh_kv is not None and takes_tma(q.shape[0], q.shape[-1], window) \
+            and supports_tma(q, *fresh_kv, kv_cache):
+        return prefill_attention_tma(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens,
+                                     max_query_len, scale, single_queries=False)
+    if eager_default and takes_large_tiles(q.shape[0], q.shape[-1], kv_cache.element_size(), window):
+        prefill_config = LARGE_TILES
     return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens,
                              max_query_len, scale, window, sink, config=prefill_config, tiles=tiles,
                              single_queries=False, max_seq_len=max_seq_len)
