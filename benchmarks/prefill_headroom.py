@@ -12,9 +12,11 @@ Rows print TFLOP/s (causal FLOPs: 4 * heads * head_dim * keys seen) and, for fre
 the relative error against a float32 SDPA. The last rows time chunks after a cached prefix
 (paged kernel against the TMA path; no reference there: tests/test_triton_kernels.py checks it).
 
-    python3 benchmarks/prefill_headroom.py
+    python3 benchmarks/prefill_headroom.py [--quick]   # --quick: no contiguous-kernel variants
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from triton.testing import do_bench
 from kvserve.attention.kernels import PrefillConfig, prefill_attention
 from kvserve.attention.kernels import mixed_attention
 from kvserve.attention.kernels.mixed import LARGE_TILES
+from kvserve.attention.kernels.prefill_tma import TmaPrefillConfig, prefill_attention_tma
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUP = HEADS // KV_HEADS
@@ -108,7 +111,7 @@ def paged(q, k, v, batch, seq):
     return cache, table, starts, lens
 
 
-def rows_for(batch: int, seq: int) -> list[str]:
+def rows_for(batch: int, seq: int, quick: bool) -> list[str]:
     torch.manual_seed(0)
     q = torch.randn(batch * seq, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     k, v = torch.randn(2, batch * seq, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -145,7 +148,7 @@ def rows_for(batch: int, seq: int) -> list[str]:
         row(name, sdpa)
     for packed, bq, bn, w, st in ((False, 128, 64, 4, 3), (False, 128, 128, 8, 3), (False, 128, 64, 8, 3),
                                   (False, 128, 128, 8, 2), (True, 32, 64, 4, 3), (True, 32, 128, 8, 3),
-                                  (True, 64, 64, 8, 3), (True, 64, 128, 8, 2), (True, 32, 64, 8, 4)):
+                                  (True, 64, 64, 8, 3), (True, 64, 128, 8, 2), (True, 32, 64, 8, 4))[:0 if quick else 9]:
         label = f"tma {'gqa-packed' if packed else 'per-head'} q={bq} n={bn} w={w} st={st}"
         row(label, lambda a=(packed, bq, bn, w, st): tma_attention(q, k, v, out, batch, seq, *a))
     return rows
@@ -165,10 +168,12 @@ def prefix_rows(batch: int, new: int, prefix: int) -> None:
     flops = 4 * batch * HEADS * HEAD_DIM * (new * prefix + new * (new + 1) // 2)
     paged_out = prefill_attention(q, cache, out.clone(), table, starts, lens, new, HEAD_DIM ** -0.5, None, 0,
                                   LARGE_TILES)
-    for name, fn in (("paged large tiles", lambda: prefill_attention(q, cache, out, table, starts, lens, new,
-                                                                      HEAD_DIM ** -0.5, None, 0, LARGE_TILES)),
-                     ("tma path", lambda: mixed_attention(q, cache, out, table, starts, lens, new, total,
-                                                          HEAD_DIM ** -0.5, None, 0, fresh_kv=fresh))):
+    runs = [("paged large tiles", lambda: prefill_attention(q, cache, out, table, starts, lens, new,
+                                                             HEAD_DIM ** -0.5, None, 0, LARGE_TILES))]
+    for n in (32, 64, 128):
+        runs.append((f"tma, prefix tiles of {n}", lambda n=n: prefill_attention_tma(
+            q, *fresh, cache, out, table, starts, lens, new, HEAD_DIM ** -0.5, TmaPrefillConfig(prefix_block_n=n))))
+    for name, fn in runs:
         ms = do_bench(fn, warmup=25, rep=100)
         diff = ((out.float() - paged_out.float()).norm() / paged_out.float().norm()).item()
         print(f"{batch}x{new} after {prefix} {name:<24} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s"
@@ -177,8 +182,9 @@ def prefix_rows(batch: int, new: int, prefix: int) -> None:
 
 def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}")
+    quick = "--quick" in sys.argv
     for batch, seq in SHAPES:
-        rows_for(batch, seq)
+        rows_for(batch, seq, quick)
     for shape in PREFIX_SHAPES:
         prefix_rows(*shape)
 

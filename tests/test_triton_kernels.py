@@ -261,6 +261,38 @@ def test_tma_prefill_matches_reference(block_size, heads, kv_heads, monkeypatch)
     assert err < TOL
 
 
+@pytest.mark.parametrize("seqs,fresh", [(TMA_STEP, True), ([(0, 1000), (1000, 1000)], True),
+                                         ([(0, 999), (1000, 1000)], False), ([(4096, 4096)], False),
+                                         ([(0, 1), (5000, 1)], True)])
+def test_fresh_keys_dominate(seqs, fresh):
+    """A step's prompt rows: causal work over their own chunks (q^2 / 2) against their
+    work over cached prefixes (q x prefix); decode rows count for neither."""
+    meta = _metadata(seqs, 16, torch.zeros(len(seqs), 1, dtype=torch.int32), torch.zeros(1))
+    assert meta.fresh_keys_dominate() is fresh
+    assert meta.scratch["fresh_keys_dominate"] is fresh   # kept for the step's other layers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqs,taken", [(TMA_STEP, True), ([(3000, 1200), (0, 900), (7000, 1)], False)],
+                         ids=["fresh", "prefix-heavy"])
+def test_backend_takes_tma_path_by_the_step(seqs, taken, monkeypatch):
+    """Through the backend: a large step whose attention is mostly over its chunks' own
+    keys takes the TMA path, one mostly over cached prefixes keeps the paged kernel;
+    both match the reference."""
+    from kvserve.attention.kernels import mixed
+    calls = []
+    real = mixed.prefill_attention_tma
+    monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    spec = FullAttentionSpec()
+    meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 32, 8, 128, "cuda", torch.Generator().manual_seed(3))
+    layer = _layer(spec, 32, 8, 128)
+    ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
+    k, v = _packed_views(q, k, v)
+    out = get_backend("triton").forward(q, k, v, kv_cache, layer, meta)
+    assert bool(calls) is taken
+    assert _rel_err(out, ref, meta) < TOL
+
+
 @pytest.mark.gpu
 def test_tma_prefill_leaves_other_steps_alone(monkeypatch):
     """Sliding windows, steps under the threshold and launches without the step's K/V

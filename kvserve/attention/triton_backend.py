@@ -18,6 +18,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
+from kvserve.attention.kernels.mixed import TMA_MIN_TOKENS
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -41,7 +42,14 @@ class TritonAttentionBackend:
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
-                               tiles=meta.prefill_tiles, fresh_kv=(k, v))
+                               tiles=meta.prefill_tiles, fresh_kv=(k, v) if _takes_fresh_kv(meta) else None)
+
+
+def _takes_fresh_kv(meta: AttentionMetadata) -> bool:
+    """Whether a step hands its own K/V to the TMA prefill path: large enough, and its
+    attention mostly over the chunks' own keys (with long cached prefixes the paged
+    kernel reads those better)."""
+    return meta.num_tokens >= TMA_MIN_TOKENS and meta.prefill_tiles is None and meta.fresh_keys_dominate()
 
 
 def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:
