@@ -261,24 +261,25 @@ def test_tma_prefill_matches_reference(block_size, heads, kv_heads, monkeypatch)
     assert err < TOL
 
 
-@pytest.mark.parametrize("seqs,fresh", [(TMA_STEP, True), ([(0, 1000), (1000, 1000)], True),
-                                         ([(0, 999), (1000, 1000)], False), ([(4096, 4096)], False),
-                                         ([(0, 1), (5000, 1)], True)])
-def test_fresh_keys_dominate(seqs, fresh):
+@pytest.mark.parametrize("seqs,share", [([(0, 1000), (1000, 1000)], 0.5), ([(4096, 4096)], 1 / 3),
+                                         ([(3000, 1200), (0, 900), (7000, 1)], 1_125_000 / 4_725_000),
+                                         ([(0, 1), (5000, 1)], 1.0), ([(0, 7)], 1.0)])
+def test_fresh_key_share(seqs, share):
     """A step's prompt rows: causal work over their own chunks (q^2 / 2) against their
     work over cached prefixes (q x prefix); decode rows count for neither."""
     meta = _metadata(seqs, 16, torch.zeros(len(seqs), 1, dtype=torch.int32), torch.zeros(1))
-    assert meta.fresh_keys_dominate() is fresh
-    assert meta.scratch["fresh_keys_dominate"] is fresh   # kept for the step's other layers
+    assert meta.fresh_key_share() == pytest.approx(share)
+    assert meta.scratch["fresh_key_share"] == pytest.approx(share)   # kept for the step's other layers
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqs,taken", [(TMA_STEP, True), ([(3000, 1200), (0, 900), (7000, 1)], False)],
-                         ids=["fresh", "prefix-heavy"])
+@pytest.mark.parametrize("seqs,taken", [(TMA_STEP, True), ([(4000, 4096)], True),
+                                        ([(3000, 1200), (0, 900), (7000, 1)], False)],
+                         ids=["fresh", "third-fresh", "prefix-heavy"])
 def test_backend_takes_tma_path_by_the_step(seqs, taken, monkeypatch):
-    """Through the backend: a large step whose attention is mostly over its chunks' own
-    keys takes the TMA path, one mostly over cached prefixes keeps the paged kernel;
-    both match the reference."""
+    """Through the backend: a large step whose chunks' own keys carry a third of its
+    attention or more takes the TMA path, one mostly over cached prefixes keeps the paged
+    kernel; both match the reference."""
     from kvserve.attention.kernels import mixed
     calls = []
     real = mixed.prefill_attention_tma

@@ -50,18 +50,19 @@ class AttentionMetadata:
     # from this table, not from the host lengths above (which are bounds there).
     prefill_tiles: PrefillTiles | None = None
 
-    def fresh_keys_dominate(self) -> bool:
-        """Whether the prompt rows' causal work over their own chunks (about q_len^2 / 2
-        keys a sequence) is at least their work over the cached prefixes (q_len x prefix).
-        Worked out once a step and kept in `scratch` (backends ask once a layer)."""
-        if "fresh_keys_dominate" not in self.scratch:
+    def fresh_key_share(self) -> float:
+        """The prompt rows' causal work over their own chunks (about q_len^2 / 2 keys a
+        sequence) as a share of their whole work (that plus q_len x cached prefix); 1.0
+        with no prompt rows. Worked out once a step and kept in `scratch` (backends ask
+        once a layer)."""
+        if "fresh_key_share" not in self.scratch:
             fresh = cached = 0
             for q_len, seq_len in zip(self.query_lens_cpu, self.seq_lens_cpu):
                 if q_len > 1:
                     fresh += q_len * q_len // 2
                     cached += q_len * (seq_len - q_len)
-            self.scratch["fresh_keys_dominate"] = fresh >= cached
-        return self.scratch["fresh_keys_dominate"]
+            self.scratch["fresh_key_share"] = fresh / (fresh + cached) if fresh + cached else 1.0
+        return self.scratch["fresh_key_share"]
 
     @property
     def is_decode_only(self) -> bool:

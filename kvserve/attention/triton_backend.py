@@ -18,7 +18,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
-from kvserve.attention.kernels.mixed import TMA_MIN_TOKENS
+from kvserve.attention.kernels.mixed import TMA_MIN_FRESH_SHARE, TMA_MIN_TOKENS
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -46,10 +46,11 @@ class TritonAttentionBackend:
 
 
 def _takes_fresh_kv(meta: AttentionMetadata) -> bool:
-    """Whether a step hands its own K/V to the TMA prefill path: large enough, and its
-    attention mostly over the chunks' own keys (with long cached prefixes the paged
+    """Whether a step hands its own K/V to the TMA prefill path: large enough, and enough
+    of its attention over the chunks' own keys (with long cached prefixes the paged
     kernel reads those better)."""
-    return meta.num_tokens >= TMA_MIN_TOKENS and meta.prefill_tiles is None and meta.fresh_keys_dominate()
+    return (meta.num_tokens >= TMA_MIN_TOKENS and meta.prefill_tiles is None
+            and meta.fresh_key_share() >= TMA_MIN_FRESH_SHARE)
 
 
 def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:

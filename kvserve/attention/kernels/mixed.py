@@ -30,6 +30,9 @@ LARGE_TILES_MIN_TOKENS = 4096
 # every step past the largest mixed graph (2,048 tokens), and enough query tiles to fill
 # the GPU without split-KV, which that kernel lacks.
 TMA_MIN_TOKENS = 2048
+# ...and whose chunks' own keys carry at least this share of the prompt rows' attention
+# (the rest is over cached prefixes, which both kernels gather): see prefill_tma.py.
+TMA_MIN_FRESH_SHARE = 1 / 3
 
 
 def takes_tma(num_tokens: int, head_dim: int, window: int | None) -> bool:
