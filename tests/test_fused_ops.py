@@ -24,17 +24,25 @@ def _check_all(device: str, dtype: torch.dtype, tol: float) -> None:
     gate, up = gate_up.split(200, dim=-1)
     got = _silu_triton(gate_up)
     _close(got, torch.nn.functional.silu(gate) * up, tol)
-    qkv = rand(37, (8 + 2 * 2) * 64)
-    q = qkv[:, :512].view(37, 8, 64)
-    k = qkv[:, 512:640].view(37, 2, 64)
     positions = torch.randint(0, 4000, (37,), generator=g).to(device)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)).to(device)
-    for weights in [(None, None), (rand(64), rand(64))]:
+    for heads, kv_heads in [(8, 2), (6, 3)]:  # 6 and 3: head tiles with masked rows
+        _check_qk_norm_rope(rand(37, (heads + 2 * kv_heads) * 64), heads, kv_heads, positions, inv_freq,
+                            [(None, None), (rand(64), rand(64))], tol)
+
+
+def _check_qk_norm_rope(qkv, heads, kv_heads, positions, inv_freq, weight_pairs, tol):
+    """In place on views into one q|k|v tensor, as the model calls it: q and k match the
+    torch composition, v's columns stay untouched."""
+    for weights in weight_pairs:
+        packed = qkv.clone()
+        q = packed[:, :heads * 64].view(-1, heads, 64)
+        k = packed[:, heads * 64:(heads + kv_heads) * 64].view(-1, kv_heads, 64)
         ref_q, ref_k = fused_ops._qk_norm_rope_torch(q.clone(), k.clone(), positions, inv_freq, *weights, 1e-6)
-        q2, k2 = q.clone(), k.clone()
-        _qk_triton(q2, k2, positions, inv_freq, *weights)
-        _close(q2, ref_q, tol)
-        _close(k2, ref_k, tol)
+        _qk_triton(q, k, positions, inv_freq, *weights)
+        _close(q, ref_q, tol)
+        _close(k, ref_k, tol)
+        assert torch.equal(packed[:, (heads + kv_heads) * 64:], qkv[:, (heads + kv_heads) * 64:])
 
 
 def _silu_triton(gate_up):
@@ -45,10 +53,7 @@ def _silu_triton(gate_up):
 
 
 def _qk_triton(q, k, positions, inv_freq, qw, kw):
-    fused_ops._qk_norm_rope_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
-        q, k, positions, inv_freq, qw if qw is not None else inv_freq, kw if kw is not None else inv_freq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q.shape[1], 1e-6,
-        HAS_NORM=qw is not None, HALF=q.shape[2] // 2)
+    fused_ops._qk_norm_rope_triton(q, k, positions, inv_freq, qw, kw, 1e-6)
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

@@ -137,12 +137,22 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv
     """
     if not use_triton(q):
         return _qk_norm_rope_torch(q, k, positions, inv_freq, q_weight, k_weight, eps)
+    return _qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps)
+
+
+def _qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps):
+    """One program a token, all its heads at once: one program a (token, head) ran
+    195 us a layer at an 8K-token step on an H200 (1 warp, 256 bytes each, the angle
+    recomputed for every head), ~4% of the step's device time."""
     num_tokens, num_heads, head_dim = q.shape
+    q_pow2 = triton.next_power_of_2(num_heads)
     if num_tokens:
-        _qk_norm_rope_kernel[(num_tokens, num_heads + k.shape[1])](
+        _qk_norm_rope_kernel[(num_tokens,)](
             q, k, positions, inv_freq, q_weight if q_weight is not None else inv_freq,
             k_weight if k_weight is not None else inv_freq, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), num_heads, eps, HAS_NORM=q_weight is not None, HALF=head_dim // 2, num_warps=1)
+            k.stride(1), eps, NUM_Q=num_heads, NUM_K=k.shape[1], Q_POW2=q_pow2,
+            K_POW2=triton.next_power_of_2(k.shape[1]), HAS_NORM=q_weight is not None, HALF=head_dim // 2,
+            num_warps=4 if q_pow2 * head_dim <= 4096 else 8)
     return q, k
 
 
@@ -164,31 +174,40 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr,
-                             stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, eps,
-                             HAS_NORM: tl.constexpr, HALF: tl.constexpr, PRECISE: tl.constexpr = PRECISE):
+                             stride_qt, stride_qh, stride_kt, stride_kh, eps,
+                             NUM_Q: tl.constexpr, NUM_K: tl.constexpr, Q_POW2: tl.constexpr,
+                             K_POW2: tl.constexpr, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+                             PRECISE: tl.constexpr = PRECISE):
         token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        is_q = head < num_q_heads
-        if is_q:
-            base = q_ptr + token * stride_qt + head * stride_qh
-            w_ptr = qw_ptr
-        else:
-            base = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
-            w_ptr = kw_ptr
         cols = tl.arange(0, HALF)
-        x1 = tl.load(base + cols)
-        x2 = tl.load(base + HALF + cols)
+        angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + cols)
+        cos, sin = _cos_sin(angle, PRECISE)
+        _norm_rope_heads(q_ptr + token * stride_qt, stride_qh, qw_ptr, cos, sin, eps,
+                         NUM_Q, Q_POW2, HAS_NORM, HALF, PRECISE)
+        _norm_rope_heads(k_ptr + token * stride_kt, stride_kh, kw_ptr, cos, sin, eps,
+                         NUM_K, K_POW2, HAS_NORM, HALF, PRECISE)
+
+    @triton.jit
+    def _norm_rope_heads(base, stride_h, w_ptr, cos, sin, eps, NUM: tl.constexpr, POW2: tl.constexpr,
+                         HAS_NORM: tl.constexpr, HALF: tl.constexpr, PRECISE: tl.constexpr):
+        """RMSNorm (HAS_NORM) then RoPE of one token's NUM heads, rows of a [POW2, HALF] tile
+        per half; each element rounds where HF's composition rounds."""
+        cols = tl.arange(0, HALF)
+        heads = tl.arange(0, POW2)
+        mask = (heads < NUM)[:, None]
+        ptrs = base + heads[:, None] * stride_h + cols[None, :]
+        x1 = tl.load(ptrs, mask=mask, other=0.0)
+        x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
         dtype = x1.dtype
         if HAS_NORM:
             a, b = x1.to(tl.float32), x2.to(tl.float32)
-            r = _rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / (2 * HALF) + eps, PRECISE)
-            w1 = tl.load(w_ptr + cols).to(tl.float32)
-            w2 = tl.load(w_ptr + HALF + cols).to(tl.float32)
+            r = _rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps, PRECISE)[:, None]
+            w1 = tl.load(w_ptr + cols).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + cols).to(tl.float32)[None, :]
             x1 = (w1 * (a * r).to(dtype).to(tl.float32)).to(dtype)
             x2 = (w2 * (b * r).to(dtype).to(tl.float32)).to(dtype)
-        angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + cols)
-        cos, sin = _cos_sin(angle, PRECISE)
-        cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+        c = cos.to(dtype).to(tl.float32)[None, :]
+        s = sin.to(dtype).to(tl.float32)[None, :]
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(base + cols, (a * cos - b * sin).to(dtype))
-        tl.store(base + HALF + cols, (b * cos + a * sin).to(dtype))
+        tl.store(ptrs, (a * c - b * s).to(dtype), mask=mask)
+        tl.store(ptrs + HALF, (b * c + a * s).to(dtype), mask=mask)
