@@ -71,7 +71,8 @@ def test_no_compile_after_warmup_for_any_eager_split_plan():
 
 def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attention):
     """A decode-only and a mixed launch of `num_seqs` rows at random contexts up to 8K, and
-    for full attention a mixed launch past the large-tile threshold."""
+    for full attention a mixed launch past the large-tile threshold, with the step's K/V
+    (the TMA path) and without (the large tiles)."""
     window = getattr(layer.spec, "window", None)
     heads, kv_heads, dim, block = layer.num_heads, layer.num_kv_heads, layer.head_dim, 16
     contexts = [rng.randint(1, 8192) for _ in range(num_seqs)]
@@ -92,6 +93,10 @@ def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attent
         if lens is not batches[0]:
             mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
                             window, 0)
+        if lens is batches[-1] and window is None:
+            fresh = torch.zeros(q.shape[0], kv_heads, dim, dtype=torch.bfloat16, device=device)
+            mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
+                            window, 0, fresh_kv=(fresh, fresh))
         else:
             k = torch.zeros(num_seqs, kv_heads, dim, dtype=torch.bfloat16, device=device)
             slots = torch.full((num_seqs,), -1, dtype=torch.int64, device=device)

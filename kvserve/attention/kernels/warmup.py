@@ -12,7 +12,8 @@ starts load them from Triton's disk cache). The host stalls of a served mixed bu
 Split counts are not specialised (`do_not_specialize` in both kernels), so one
 launch per variant class covers them all: direct or split, and for the reduces each
 power of two their split loads are padded to; the prefill kernel in both of its
-eager tile configs (kernels/mixed.py).
+eager tile configs (kernels/mixed.py), and the TMA prefill kernel of large eager
+steps where the GPU takes it (kernels/prefill_tma.py).
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ import torch
 from kvserve.attention.backend import AttentionLayerInfo
 from kvserve.attention.kernels.decode import MAX_SPLITS as DECODE_MAX_SPLITS
 from kvserve.attention.kernels.decode import DecodeConfig, decode_attention
-from kvserve.attention.kernels.mixed import LARGE_TILES, LARGE_TILES_MIN_TOKENS, takes_large_tiles
+from kvserve.attention.kernels.mixed import (LARGE_TILES, LARGE_TILES_MIN_TOKENS, TMA_MIN_TOKENS, takes_large_tiles,
+                                             takes_tma)
 from kvserve.attention.kernels.prefill import MAX_SPLITS as PREFILL_MAX_SPLITS
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
+from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
 from kvserve.attention.triton_backend import mask_bounds
 
 CONTEXT = 64        # keys of the tiny batch's sequences
@@ -68,9 +71,21 @@ def _warm_shape(heads: int, kv_heads: int, head_dim: int, window: int | None, si
                               config=replace(config, num_splits=num_splits), single_queries=False,
                               max_seq_len=CONTEXT)
             launches += 1
+    launches += _warm_tma(batch, scale, window)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return launches
+
+
+def _warm_tma(batch: "_TinyBatch", scale: float, window: int | None) -> int:
+    """The TMA prefill kernel once, where a large eager step of this shape would take it."""
+    q, kv_cache, out, tables, starts, seq_lens = batch.args(decode=False)
+    k = torch.zeros(q.shape[0], *kv_cache.shape[3:], dtype=kv_cache.dtype, device=q.device)
+    if not (takes_tma(TMA_MIN_TOKENS, q.shape[-1], window) and supports_tma(q, k, k, kv_cache)):
+        return 0
+    prefill_attention_tma(q, k, k, kv_cache, out, tables, starts, seq_lens, PREFILL_QUERY, scale,
+                          single_queries=False)
+    return 1
 
 
 class _TinyBatch:
