@@ -90,13 +90,13 @@ def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attent
         starts = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
         q = torch.randn(int(starts[-1]), heads, dim, dtype=torch.bfloat16, device=device)
         out = torch.empty_like(q)
-        if lens is not batches[0]:
-            mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
-                            window, 0)
-        if lens is batches[-1] and window is None:
+        if lens is batches[-1] and window is None:   # the TMA path: the step's own K/V given
             fresh = torch.zeros(q.shape[0], kv_heads, dim, dtype=torch.bfloat16, device=device)
             mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
                             window, 0, fresh_kv=(fresh, fresh))
+        if lens is not batches[0]:
+            mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
+                            window, 0)
         else:
             k = torch.zeros(num_seqs, kv_heads, dim, dtype=torch.bfloat16, device=device)
             slots = torch.full((num_seqs,), -1, dtype=torch.int64, device=device)
