@@ -48,20 +48,15 @@ class TmaPrefillConfig:
     prefix_block_n: int = 128
 
 
-# A descriptor's box may not be taller than its tensor: a 17-row K under a 128-row box
-# faulted with an illegal address on an H200. Steps on this path have thousands of rows.
-MIN_ROWS = 256
-
-
 def supports_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether this launch can take the TMA path: a Hopper-or-later GPU, K/V in the cache's
     own dtype (the prefix and the chunk must be the same numbers), and descriptor-legal
-    strides (unit last stride, others and the base 16-byte aligned) and rows enough for a box."""
+    strides (unit last stride, others and the base 16-byte aligned)."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
     if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or kv_cache.element_size() != 2:
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.shape[0] >= MIN_ROWS
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in (k, v))
 
 

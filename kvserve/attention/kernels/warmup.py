@@ -28,7 +28,7 @@ from kvserve.attention.kernels.mixed import (LARGE_TILES, LARGE_TILES_MIN_TOKENS
                                              takes_tma)
 from kvserve.attention.kernels.prefill import MAX_SPLITS as PREFILL_MAX_SPLITS
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
-from kvserve.attention.kernels.prefill_tma import MIN_ROWS, prefill_attention_tma, supports_tma
+from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
 from kvserve.attention.triton_backend import mask_bounds
 
 CONTEXT = 64        # keys of the tiny batch's sequences
@@ -80,8 +80,7 @@ def _warm_shape(heads: int, kv_heads: int, head_dim: int, window: int | None, si
 def _warm_tma(batch: "_TinyBatch", scale: float, window: int | None) -> int:
     """The TMA prefill kernel once, where a large eager step of this shape would take it."""
     q, kv_cache, out, tables, starts, seq_lens = batch.args(decode=False)
-    # The tiny batch's K/V padded to the rows a descriptor's box needs (prefill_tma.MIN_ROWS).
-    k = torch.zeros(max(q.shape[0], MIN_ROWS), *kv_cache.shape[3:], dtype=kv_cache.dtype, device=q.device)
+    k = torch.zeros(q.shape[0], *kv_cache.shape[3:], dtype=kv_cache.dtype, device=q.device)
     if not (takes_tma(TMA_MIN_TOKENS, q.shape[-1], window) and supports_tma(q, k, k, kv_cache)):
         return 0
     prefill_attention_tma(q, k, k, kv_cache, out, tables, starts, seq_lens, PREFILL_QUERY, scale,
