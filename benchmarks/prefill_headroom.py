@@ -34,6 +34,10 @@ GROUP = HEADS // KV_HEADS
 SHAPES = [(1, 8192), (2, 4096), (8, 1024)]
 PREFIX_SHAPES = [(1, 4096, 4096), (2, 2048, 2000), (4, 512, 1504), (3, 1000, 7000)]
 LOG2E = 1.4426950408889634
+# The contiguous kernel's variants: (GQA-packed rows, query tokens, keys a tile, warps, stages).
+TMA_VARIANTS = [(False, 128, 64, 4, 3), (False, 128, 128, 8, 3), (False, 128, 64, 8, 3), (False, 128, 128, 8, 2),
+                (True, 32, 64, 4, 3), (True, 32, 128, 8, 3), (True, 64, 64, 8, 3), (True, 64, 128, 8, 2),
+                (True, 32, 64, 8, 4)]
 
 
 @triton.jit
@@ -146,9 +150,7 @@ def rows_for(batch: int, seq: int, quick: bool) -> list[str]:
                 return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True).transpose(1, 2).reshape(
                     batch * seq, HEADS, HEAD_DIM)
         row(name, sdpa)
-    for packed, bq, bn, w, st in ((False, 128, 64, 4, 3), (False, 128, 128, 8, 3), (False, 128, 64, 8, 3),
-                                  (False, 128, 128, 8, 2), (True, 32, 64, 4, 3), (True, 32, 128, 8, 3),
-                                  (True, 64, 64, 8, 3), (True, 64, 128, 8, 2), (True, 32, 64, 8, 4))[:0 if quick else 9]:
+    for packed, bq, bn, w, st in [] if quick else TMA_VARIANTS:
         label = f"tma {'gqa-packed' if packed else 'per-head'} q={bq} n={bn} w={w} st={st}"
         row(label, lambda a=(packed, bq, bn, w, st): tma_attention(q, k, v, out, batch, seq, *a))
     return rows
