@@ -4,9 +4,9 @@
 # while the next part of the bundle waits):
 #   stage 1  carry [".vp1"]:                     GPU tests of the engine, its graphs and kernels; a
 #                                                mixed burst's stalls (step_diagnostics.py mixedburst);
-#                                                with PROFILES=1 also the prefill kernel's variants at a
-#                                                served step's shapes and a decode-step profile at
-#                                                ide-completion's served shape
+#                                                with PROFILES=1 also prefill attention against cuDNN and
+#                                                the TMA path, an 8K eager step's kernels by kind, and a
+#                                                decode-step profile at ide-completion's served shape
 #   stage 2  carry [".vp2", ".vp1b"]:            unpack vLLM; DeepSeek V4's graph and engine GPU tests;
 #                                                with PROFILES=1 host microseconds per step at 32/128/256
 #   stage 3  carry [".vp3", ".dummy-qwen3-8b"]:  finish vLLM's site; kvserve's serving runs (the rate
@@ -51,15 +51,18 @@ pack() {  # a call brings back at most 8 files: the runs' JSON and server logs g
 case $stage in
   1)
     mkdir -p .vsite
-    TEST_SECONDS=${TEST_SECONDS:-360} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
+    TEST_SECONDS=${TEST_SECONDS:-400} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
       tests/test_prompt_logprobs.py tests/test_triton_kernels.py tests/test_attention_warmup.py \
-      tests/test_batch_tables.py" "$OUT/gpu_tests_1.txt"
+      tests/test_batch_tables.py tests/test_fused_ops.py" "$OUT/gpu_tests_1.txt"
     # the served mixed burst offline: host ms, ITL and TTFT with the drain before long eager launches off and on
     PYTHONPATH=$PWD timeout 150 python3 benchmarks/step_diagnostics.py mixedburst 2>&1 \
       | grep -v "^\[\|Warning\|warn" | tail -40 | tee "$OUT/mixedburst.txt"
     [ "${PROFILES:-0}" = 1 ] || exit 0
-    # the prefill kernel's variants at a served 8K-token step's shapes
-    PYTHONPATH=$PWD timeout 150 python3 -m kvserve.bench.kernels --prefill-only | tee "$OUT/prefill_variants.txt"
+    # prefill attention against cuDNN and the TMA path, and an 8K eager step's kernel time by kind
+    PYTHONPATH=$PWD timeout 120 python3 benchmarks/prefill_headroom.py --quick 2>&1 | grep -v -i warn \
+      | tee "$OUT/prefill_headroom.txt"
+    PYTHONPATH=$PWD timeout 90 python3 benchmarks/step_diagnostics.py prefill8k 2>&1 | grep -A12 "^prefill8k" \
+      | tee "$OUT/prefill8k.txt"
     # ide-completion decodes ~24 rows at ~900-token contexts at 30 req/s: kernels and idle gaps
     PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py ide24prof 49152 | tee "$OUT/ide24prof.txt" ;;
   2)
