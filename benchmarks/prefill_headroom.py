@@ -28,6 +28,7 @@ from kvserve.attention.kernels import PrefillConfig, prefill_attention
 from kvserve.attention.kernels import mixed_attention
 from kvserve.attention.kernels.mixed import LARGE_TILES
 from kvserve.attention.kernels.prefill_tma import TmaPrefillConfig, prefill_attention_tma
+from kvserve.bench.kernels import paged_cache
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUP = HEADS // KV_HEADS
@@ -104,12 +105,9 @@ def reference(q, k, v, batch, seq):
     return F.scaled_dot_product_attention(qc.float(), kc.float(), vc.float(), is_causal=True)
 
 
-def paged(q, k, v, batch, seq):
-    blocks = batch * seq // 16
-    ids = torch.randperm(blocks, device="cuda") + 1
-    cache = torch.zeros(2, blocks + 1, 16, KV_HEADS, HEAD_DIM, dtype=q.dtype, device="cuda")
-    cache[0, ids], cache[1, ids] = k.view(blocks, 16, KV_HEADS, HEAD_DIM), v.view(blocks, 16, KV_HEADS, HEAD_DIM)
-    table = ids.view(batch, -1).to(torch.int32)
+def paged(k, v, batch, seq):
+    """The paged cache, block table, query starts and lengths of `batch` fresh prompts of `seq`."""
+    cache, table = paged_cache(k, v, batch, 16)
     starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * seq
     lens = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
     return cache, table, starts, lens
@@ -134,7 +132,7 @@ def rows_for(batch: int, seq: int, quick: bool) -> list[str]:
             rows.append(f"{batch}x{seq} {label:<46} failed: {type(e).__name__}: {str(e)[:160]}")
         print(rows[-1], flush=True)
 
-    cache, table, starts, lens = paged(q, k, v, batch, seq)
+    cache, table, starts, lens = paged(k, v, batch, seq)
     for name, cfg in (("paged large tiles (eager)", LARGE_TILES), ("paged default (graphs)", PrefillConfig())):
         row(name, lambda cfg=cfg: prefill_attention(q, cache, out, table, starts, lens, seq, HEAD_DIM ** -0.5,
                                                     None, 0, cfg))
@@ -162,7 +160,7 @@ def prefix_rows(batch: int, new: int, prefix: int) -> None:
     total = prefix + new
     q = torch.randn(batch * new, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     k, v = torch.randn(2, batch * total, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    cache, table, _, _ = paged(q, k, v, batch, total)
+    cache, table = paged_cache(k, v, batch, 16)
     starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * new
     lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
     fresh = tuple(t.view(batch, total, KV_HEADS, HEAD_DIM)[:, prefix:].reshape(-1, KV_HEADS, HEAD_DIM) for t in (k, v))

@@ -18,7 +18,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
-from kvserve.attention.kernels.mixed import TMA_MIN_FRESH_SHARE, TMA_MIN_TOKENS
+from kvserve.attention.kernels.mixed import TMA_MIN_FRESH_SHARE, takes_tma
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -41,15 +41,17 @@ class TritonAttentionBackend:
             return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink,
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)
+        fresh_kv = (k, v) if _takes_fresh_kv(meta, layer.head_dim, window) else None
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
-                               tiles=meta.prefill_tiles, fresh_kv=(k, v) if _takes_fresh_kv(meta) else None)
+                               tiles=meta.prefill_tiles, fresh_kv=fresh_kv)
 
 
-def _takes_fresh_kv(meta: AttentionMetadata) -> bool:
-    """Whether a step hands its own K/V to the TMA prefill path: large enough, and enough
+def _takes_fresh_kv(meta: AttentionMetadata, head_dim: int, window: int | None) -> bool:
+    """Whether a step hands its own K/V to the TMA prefill path: an eager step the path
+    serves (`takes_tma`, which `mixed_attention` checks again with the device), and enough
     of its attention over the chunks' own keys (with long cached prefixes the paged
     kernel reads those better)."""
-    return (meta.num_tokens >= TMA_MIN_TOKENS and meta.prefill_tiles is None
+    return (meta.prefill_tiles is None and takes_tma(meta.num_tokens, head_dim, window)
             and meta.fresh_key_share() >= TMA_MIN_FRESH_SHARE)
 
 

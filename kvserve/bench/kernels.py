@@ -115,6 +115,18 @@ def _decode_variants(paged: PagedBatch, copy_gbs: float, batch: int,
     return rows
 
 
+def paged_cache(k: torch.Tensor, v: torch.Tensor, batch: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v: [batch * keys, KV_HEADS, HEAD_DIM], `batch` sequences of equal length, scattered
+    over random blocks of a paged cache (block 0, the NULL block, left unwritten and unread):
+    (kv_cache [2, blocks + 1, block_size, KV_HEADS, HEAD_DIM], block table [batch, blocks a sequence])."""
+    num_blocks = k.shape[0] // block_size
+    ids = torch.randperm(num_blocks, device=k.device) + 1
+    kv_cache = torch.empty(2, num_blocks + 1, block_size, KV_HEADS, HEAD_DIM, dtype=k.dtype, device=k.device)
+    kv_cache[0, ids] = k.view(num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    kv_cache[1, ids] = v.view(num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    return kv_cache, ids.view(batch, -1).to(torch.int32)
+
+
 def bench_prefill(batch: int, seq_len: int, block_size: int, prefix: int = 0,
                   variants: list[PrefillConfig] = PREFILL_VARIANTS) -> list[str]:
     """`batch` chunks of `seq_len` new tokens, each after `prefix` cached
@@ -122,13 +134,7 @@ def bench_prefill(batch: int, seq_len: int, block_size: int, prefix: int = 0,
     total = prefix + seq_len
     q = torch.randn(batch * seq_len, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     k, v = torch.randn(2, batch * total, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    num_blocks = batch * total // block_size
-    ids = torch.randperm(num_blocks, device=DEVICE) + 1
-    kv_cache = torch.empty(2, num_blocks + 1, block_size, KV_HEADS, HEAD_DIM,
-                           dtype=DTYPE, device=DEVICE)
-    kv_cache[0, ids] = k.view(num_blocks, block_size, KV_HEADS, HEAD_DIM)
-    kv_cache[1, ids] = v.view(num_blocks, block_size, KV_HEADS, HEAD_DIM)
-    table = ids.view(batch, -1).to(torch.int32)
+    kv_cache, table = paged_cache(k, v, batch, block_size)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * seq_len
     seq_lens = torch.full((batch,), total, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
