@@ -7,16 +7,24 @@ head_dim 128, bf16, block size 16), times:
   (cuDNN's fused attention is FA3-class on Hopper; flash is FA2);
 - a contiguous causal kernel in Triton that loads Q/K/V tiles through tensor descriptors
   (TMA), one query head a program or one GQA group a program, over a few tile shapes.
-- the TMA path large eager steps take (`kernels/prefill_tma.py`), through `mixed_attention`.
+- the TMA path large eager steps take (`kernels/prefill_tma.py`), through `mixed_attention`;
+- cuDNN's ragged (THD) attention through `aten._cudnn_attention_forward`: the step's packed
+  tokens and unexpanded KV heads, one call for every sequence (what vLLM's FA3 varlen call is).
 Rows print TFLOP/s (causal FLOPs: 4 * heads * head_dim * keys seen) and, for fresh prompts,
-the relative error against a float32 SDPA. The last rows time chunks after a cached prefix
-(paged kernel against the TMA path; no reference there: tests/test_triton_kernels.py checks it).
+the relative error against a float32 SDPA. Then chunks after a cached prefix (paged kernel
+against the TMA path; no reference there: tests/test_triton_kernels.py checks it), and a ragged
+step of the served mixed burst's prompt lengths, with what cuDNN's first call of a new shape costs
+(its execution plans are built per shape).
 
-    python3 benchmarks/prefill_headroom.py [--quick]   # --quick: no contiguous-kernel variants
+    python3 benchmarks/prefill_headroom.py [--quick] [--cudnn-ragged]
+    # --quick: no contiguous-kernel variants; --cudnn-ragged: cuDNN's ragged rows, its log-sum-exp
+    # and first calls (on torch 2.11 each call took ~45 ms: it builds its plan every time)
 """
 from __future__ import annotations
 
+import itertools
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +43,7 @@ GROUP = HEADS // KV_HEADS
 SHAPES = [(1, 8192), (2, 4096), (8, 1024)]
 PREFIX_SHAPES = [(1, 4096, 4096), (2, 2048, 2000), (4, 512, 1504), (3, 1000, 7000)]
 LOG2E = 1.4426950408889634
+CUDNN_RAGGED = "--cudnn-ragged" in sys.argv
 # The contiguous kernel's variants: (GQA-packed rows, query tokens, keys a tile, warps, stages).
 TMA_VARIANTS = [(False, 128, 64, 4, 3), (False, 128, 128, 8, 3), (False, 128, 64, 8, 3), (False, 128, 128, 8, 2),
                 (True, 32, 64, 4, 3), (True, 32, 128, 8, 3), (True, 64, 64, 8, 3), (True, 64, 128, 8, 2),
@@ -99,6 +108,12 @@ def tma_attention(q, k, v, out, batch, seq, packed, block_q, block_n, warps, sta
     return out
 
 
+def cudnn_ragged(q, k, v, cu_seqlens, max_len, lse=False):
+    """Causal attention of packed sequences [T, heads, D] through cuDNN's ragged path."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_seqlens, cu_seqlens, max_len, max_len, lse,
+                                                   0.0, True, False, scale=HEAD_DIM ** -0.5)[0]
+
+
 def reference(q, k, v, batch, seq):
     qc, kc, vc = (t.view(batch, seq, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
     kc, vc = (t.repeat_interleave(GROUP, 1) for t in (kc, vc))
@@ -136,8 +151,12 @@ def rows_for(batch: int, seq: int, quick: bool) -> list[str]:
     for name, cfg in (("paged large tiles (eager)", LARGE_TILES), ("paged default (graphs)", PrefillConfig())):
         row(name, lambda cfg=cfg: prefill_attention(q, cache, out, table, starts, lens, seq, HEAD_DIM ** -0.5,
                                                     None, 0, cfg))
-    row("tma path (mixed_attention, fresh K/V)", lambda: mixed_attention(
-        q, cache, out, table, starts, lens, seq, seq, HEAD_DIM ** -0.5, None, 0, fresh_kv=(k, v)))
+    for name, cached in (("tma path (mixed_attention, fresh K/V)", False), ("tma path with its prefix loop", True)):
+        row(name, lambda cached=cached: mixed_attention(q, cache, out, table, starts, lens, seq, seq, HEAD_DIM ** -0.5,
+                                                        None, 0, fresh_kv=(k, v), cached_prefixes=cached))
+    if CUDNN_RAGGED:
+        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * seq
+        row("cudnn ragged (THD, kv heads unexpanded)", lambda: cudnn_ragged(q, k, v, cu, seq))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qc = q.view(batch, seq, HEADS, HEAD_DIM).transpose(1, 2)
     kc, vc = (t.view(batch, seq, KV_HEADS, HEAD_DIM).repeat_interleave(GROUP, 2).transpose(1, 2) for t in (k, v))
@@ -180,6 +199,133 @@ def prefix_rows(batch: int, new: int, prefix: int) -> None:
               f"  rel diff to paged {diff:.1e}", flush=True)
 
 
+# Prompt lengths of the served mixed burst's first requests (workload `mixed`, seed 0): one ~8K step.
+RAGGED = [4313, 1311, 1033, 891, 120, 175, 107]
+RAGGED_NEW_SHAPES = [[1558, 4313, 883, 760, 757], [4313, 4313], [1147, 407, 1084, 152, 1073, 1101, 885, 1946, 1191]]
+
+
+def ragged_rows() -> None:
+    """One step of ragged fresh prompts: paged kernel, TMA path and cuDNN against a float32
+    reference per sequence; then cuDNN's first call at new shapes (plan building) against its warm time."""
+    torch.manual_seed(0)
+    total = sum(RAGGED)
+    q = torch.randn(total, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    starts = torch.tensor([0] + list(itertools.accumulate(RAGGED)), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(RAGGED, dtype=torch.int32, device="cuda")
+    ref = torch.cat([reference(q[a:b], k[a:b], v[a:b], 1, b - a).transpose(1, 2).reshape(b - a, HEADS, HEAD_DIM)
+                     for a, b in itertools.pairwise(starts.tolist())])
+    cache, table = ragged_cache(k, v, RAGGED)
+    out = torch.empty_like(q)
+    flops = sum(4 * HEADS * HEAD_DIM * n * (n + 1) // 2 for n in RAGGED)
+    runs = [("paged large tiles", lambda: prefill_attention(q, cache, out, table, starts, lens, max(RAGGED),
+                                                             HEAD_DIM ** -0.5, None, 0, LARGE_TILES)),
+            ("tma path", lambda: mixed_attention(q, cache, out, table, starts, lens, max(RAGGED), max(RAGGED),
+                                                 HEAD_DIM ** -0.5, None, 0, fresh_kv=(k, v), cached_prefixes=False)),
+            ("tma with prefix loop", lambda: mixed_attention(q, cache, out, table, starts, lens, max(RAGGED),
+                                                             max(RAGGED), HEAD_DIM ** -0.5, None, 0, fresh_kv=(k, v))),
+            ("cudnn ragged", lambda: cudnn_ragged(q, k, v, starts, max(RAGGED))),
+            ("cudnn ragged + lse", lambda: cudnn_ragged(q, k, v, starts, max(RAGGED), lse=True))][:None if CUDNN_RAGGED else 3]
+    for name, fn in runs:
+        try:
+            err = ((fn().float() - ref).norm() / ref.norm()).item()
+            ms = do_bench(fn, warmup=25, rep=100)
+            print(f"ragged {len(RAGGED)} seqs / {total} tokens {name:<20} {ms * 1e3:8.1f} us "
+                  f"{flops / ms / 1e9:6.1f} TFLOP/s  rel err {err:.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a path that fails here is a row
+            print(f"ragged {name:<20} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    if not CUDNN_RAGGED:
+        return
+    lse_check(q, k, v, starts)
+    for shape in RAGGED_NEW_SHAPES + [RAGGED_NEW_SHAPES[0][::-1]]:
+        cu = torch.tensor([0] + list(itertools.accumulate(shape)), dtype=torch.int32, device="cuda")
+        n = sum(shape)
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cudnn_ragged(q[:n], k[:n], v[:n], cu, max(shape))
+            torch.cuda.synchronize()
+            first = (time.perf_counter() - t0) * 1e3
+            warm = do_bench(lambda: cudnn_ragged(q[:n], k[:n], v[:n], cu, max(shape)), warmup=5, rep=20)
+            print(f"cudnn new shape {len(shape)} seqs / {n} tokens / max {max(shape)}: first call {first:8.1f} ms, "
+                  f"warm {warm * 1e3:7.1f} us", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"cudnn new shape failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+# (cached prefix, new tokens) of a served burst's step: most prompts fresh, some after a cached
+# file prefix (656 tokens), one decode row.
+RAGGED_PREFIXED = [(0, 4313), (656, 227), (0, 1311), (656, 104), (0, 1033), (0, 891), (672, 85), (900, 1)]
+
+
+def ragged_prefix_rows() -> None:
+    """A served-like step with some cached prefixes: the paged kernel against the TMA path at
+    prefix tiles of 64 and 128 keys (differences to the paged kernel; the tests check both)."""
+    torch.manual_seed(0)
+    totals = [p + n for p, n in RAGGED_PREFIXED]
+    k_all, v_all = torch.randn(2, sum(totals), KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    cache, table = ragged_cache(k_all, v_all, totals)
+    fresh_rows = torch.cat([torch.arange(a + p, a + p + n) for a, (p, n) in
+                            zip(itertools.accumulate([0] + totals[:-1]), RAGGED_PREFIXED)]).cuda()
+    k, v = k_all[fresh_rows], v_all[fresh_rows]
+    news = [n for _, n in RAGGED_PREFIXED]
+    q = torch.randn(sum(news), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    starts = torch.tensor([0] + list(itertools.accumulate(news)), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(totals, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    flops = sum(4 * HEADS * HEAD_DIM * (n * p + n * (n + 1) // 2) for p, n in RAGGED_PREFIXED)
+    base = mixed_attention(q, cache, out.clone(), table, starts, lens, max(news), max(totals), HEAD_DIM ** -0.5,
+                           None, 0)
+    runs = [("paged (mixed_attention)", lambda: mixed_attention(q, cache, out, table, starts, lens, max(news),
+                                                                max(totals), HEAD_DIM ** -0.5, None, 0))]
+    for n in (64, 128):
+        runs.append((f"tma, prefix tiles of {n}", lambda n=n: prefill_attention_tma(
+            q, k, v, cache, out, table, starts, lens, max(news), HEAD_DIM ** -0.5,
+            TmaPrefillConfig(prefix_block_n=n), single_queries=False)))
+    for name, fn in runs:
+        ms = do_bench(fn, warmup=25, rep=100)
+        rows = starts[-2].item()   # the decode row is the decode kernel's (the paged row's only)
+        diff = ((out[:rows].float() - base[:rows].float()).norm() / base[:rows].float().norm()).item()
+        print(f"ragged with prefixes {len(news)} seqs / {sum(news)} tokens {name:<24} {ms * 1e3:8.1f} us "
+              f"{flops / ms / 1e9:6.1f} TFLOP/s  rel diff to paged {diff:.1e}", flush=True)
+
+
+def lse_check(q, k, v, starts) -> None:
+    """cuDNN's log-sum-exp (what a merge with a cached prefix's part needs): its layout, and
+    its largest error against float32 for the second sequence."""
+    try:
+        lse = torch.ops.aten._cudnn_attention_forward(q, k, v, None, starts, starts, max(RAGGED), max(RAGGED), True,
+                                                      0.0, True, False, scale=HEAD_DIM ** -0.5)[1]
+        a, b = starts[1].item(), starts[2].item()
+        qs = q[a:b].float().transpose(0, 1)                                   # [H, n, D]
+        ks = k[a:b].float().repeat_interleave(GROUP, 1).transpose(0, 1)      # [H, n, D]
+        s = qs @ ks.transpose(1, 2) * HEAD_DIM ** -0.5
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        ref = torch.logsumexp(s, -1)                                           # [H, n]
+        got = lse[..., a:b] if lse.shape[-1] == q.shape[0] else lse[a:b].transpose(0, 1)
+        print(f"cudnn lse: shape {tuple(lse.shape)} stride {lse.stride()} dtype {lse.dtype}; "
+              f"max abs err (read as [.., T]) {(got.reshape(ref.shape).float() - ref).abs().max().item():.2e}",
+              flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"cudnn lse failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def ragged_cache(k, v, lengths):
+    """A paged cache holding each sequence's K/V (block size 16; block 0, the NULL block, unused)
+    and its block table."""
+    block = 16
+    blocks = [-(-n // block) for n in lengths]
+    cache = torch.zeros(2, sum(blocks) + 1, block, KV_HEADS, HEAD_DIM, dtype=k.dtype, device=k.device)
+    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device=k.device)
+    first, start = 1, 0
+    for i, (n, nb) in enumerate(zip(lengths, blocks)):
+        table[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        for c, t in enumerate((k, v)):
+            cache[c].view(-1, KV_HEADS, HEAD_DIM)[first * block:first * block + n] = t[start:start + n]
+        first, start = first + nb, start + n
+    return cache, table
+
+
 def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}")
     quick = "--quick" in sys.argv
@@ -187,6 +333,8 @@ def main() -> None:
         rows_for(batch, seq, quick)
     for shape in PREFIX_SHAPES:
         prefix_rows(*shape)
+    ragged_rows()
+    ragged_prefix_rows()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_no_compile_after_warmup_for_any_eager_split_plan():
 def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attention):
     """A decode-only and a mixed launch of `num_seqs` rows at random contexts up to 8K, and
     for full attention a mixed launch past the large-tile threshold, with the step's K/V
-    (the TMA path) and without (the large tiles)."""
+    (the TMA path, with and without its prefix loop) and without (the large tiles)."""
     window = getattr(layer.spec, "window", None)
     heads, kv_heads, dim, block = layer.num_heads, layer.num_kv_heads, layer.head_dim, 16
     contexts = [rng.randint(1, 8192) for _ in range(num_seqs)]
@@ -92,8 +92,9 @@ def _eager_launches(layer, num_seqs, rng, device, decode_attention, mixed_attent
         out = torch.empty_like(q)
         if lens is batches[-1] and window is None:   # the TMA path: the step's own K/V given
             fresh = torch.zeros(q.shape[0], kv_heads, dim, dtype=torch.bfloat16, device=device)
-            mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
-                            window, 0, fresh_kv=(fresh, fresh))
+            for cached_prefixes in (True, False):
+                mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
+                                window, 0, fresh_kv=(fresh, fresh), cached_prefixes=cached_prefixes)
         if lens is not batches[0]:
             mixed_attention(q, cache, out, table, starts, seq_lens, max(lens), max(contexts), layer.scale,
                             window, 0)

@@ -118,13 +118,14 @@ def _packed_views(q, k, v):
 def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
                     device="cuda", seed=0, decode_config=None,
                     dtype=torch.bfloat16, fused_write=False, prefill_config=None,
-                    fresh_kv=False) -> float:
+                    fresh_kv=False, cached_prefixes=True) -> float:
     """Run the kernels directly (NaN-poisoned output) and return the rel. error.
 
     fused_write (decode batches): the decode kernel writes the new K/V itself;
     the cache afterwards must equal a torch index-copy write, bit for bit.
     fresh_kv: mixed batches also hand the kernels this step's K/V as the model
-    does, as strided views of one packed q|k|v projection output."""
+    does, as strided views of one packed q|k|v projection output (`cached_prefixes=False`:
+    the caller's promise that no prompt row has a cached prefix)."""
     from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
     from kvserve.attention.torch_ref import write_kv
     from kvserve.attention.triton_backend import mask_bounds
@@ -150,6 +151,7 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
         extra = {} if prefill_config is None else {"prefill_config": prefill_config}
         if fresh_kv:
             extra["fresh_kv"] = _packed_views(q, k, v)
+            extra["cached_prefixes"] = cached_prefixes
         mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink, **extra)
     # NaN == NaN here: never-written slots must stay exactly as they were.
     assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"
@@ -261,6 +263,28 @@ def test_tma_prefill_matches_reference(block_size, heads, kv_heads, monkeypatch)
     assert err < TOL
 
 
+# A large eager step of fresh prompts only (decodes beside them): the TMA kernel built
+# without its prefix loop.
+TMA_FRESH_STEP = [(0, 1500), (0, 1), (0, 700), (3000, 1), (0, 129), (0, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (8, 8)])
+def test_tma_prefill_without_prefix_loop_matches_reference(block_size, heads, kv_heads, monkeypatch):
+    """Fresh prompts through the TMA kernel compiled without the prefix loop: exact against
+    the reference, and that variant is the one launched."""
+    from kvserve.attention.kernels import mixed
+    calls = []
+    real = mixed.prefill_attention_tma
+    monkeypatch.setattr(mixed, "prefill_attention_tma",
+                        lambda *a, **kw: calls.append(kw["cached_prefixes"]) or real(*a, **kw))
+    err = check_attention(TMA_FRESH_STEP, FullAttentionSpec(), block_size, heads=heads, kv_heads=kv_heads,
+                          seed=block_size + heads + 1, fresh_kv=True, cached_prefixes=False)
+    assert calls == [False]
+    assert err < TOL
+
+
 @pytest.mark.parametrize("seqs,share", [([(0, 1000), (1000, 1000)], 0.5), ([(4096, 4096)], 1 / 3),
                                          ([(3000, 1200), (0, 900), (7000, 1)], 1_125_000 / 4_725_000),
                                          ([(0, 1), (5000, 1)], 1.0), ([(0, 7)], 1.0)])
@@ -273,24 +297,26 @@ def test_fresh_key_share(seqs, share):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqs,taken", [(TMA_STEP, True), ([(4000, 4096)], True),
-                                        ([(3000, 1200), (0, 900), (7000, 1)], False)],
-                         ids=["fresh", "third-fresh", "prefix-heavy"])
+@pytest.mark.parametrize("seqs,taken", [(TMA_STEP, [True]), ([(4000, 4096)], [True]), (TMA_FRESH_STEP, [False]),
+                                        ([(3000, 1200), (0, 900), (7000, 1)], [])],
+                         ids=["with-prefixes", "third-fresh", "fresh-only", "prefix-heavy"])
 def test_backend_takes_tma_path_by_the_step(seqs, taken, monkeypatch):
     """Through the backend: a large step whose chunks' own keys carry a third of its
-    attention or more takes the TMA path, one mostly over cached prefixes keeps the paged
-    kernel; both match the reference."""
+    attention or more takes the TMA path (built without the prefix loop when no prompt row
+    has a cached prefix), one mostly over cached prefixes keeps the paged kernel; all match
+    the reference."""
     from kvserve.attention.kernels import mixed
     calls = []
     real = mixed.prefill_attention_tma
-    monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(mixed, "prefill_attention_tma",
+                        lambda *a, **kw: calls.append(kw["cached_prefixes"]) or real(*a, **kw))
     spec = FullAttentionSpec()
     meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 32, 8, 128, "cuda", torch.Generator().manual_seed(3))
     layer = _layer(spec, 32, 8, 128)
     ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
     k, v = _packed_views(q, k, v)
     out = get_backend("triton").forward(q, k, v, kv_cache, layer, meta)
-    assert bool(calls) is taken
+    assert calls == taken
     assert _rel_err(out, ref, meta) < TOL
 
 

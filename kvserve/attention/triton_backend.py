@@ -43,7 +43,8 @@ class TritonAttentionBackend:
         reshape_and_cache(k, v, kv_cache, slots)
         fresh_kv = (k, v) if _takes_fresh_kv(meta, layer.head_dim, window) else None
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
-                               tiles=meta.prefill_tiles, fresh_kv=fresh_kv)
+                               tiles=meta.prefill_tiles, fresh_kv=fresh_kv,
+                               cached_prefixes=fresh_kv is None or meta.fresh_key_share() < 1.0)
 
 
 def _takes_fresh_kv(meta: AttentionMetadata, head_dim: int, window: int | None) -> bool:

@@ -50,20 +50,22 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
                     window: int | None, sink: int, tiles: PrefillTiles | None = None,
                     prefill_config: PrefillConfig = PrefillConfig(),
-                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    cached_prefixes: bool = True) -> torch.Tensor:
     """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
     longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
     are built for `prefill_config`'s query tile. Without tiles and a config of
     its own, a large step's prompt rows read their chunk's keys from `fresh_kv`
     (this step's K/V, [T, KVH, D]) through TMA where the GPU allows, or take
-    LARGE_TILES."""
+    LARGE_TILES. `cached_prefixes=False` (no prompt row has a cached prefix) lets the TMA
+    path run its kernel without the prefix loop."""
     decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, max_seq_len,
                      scale, window, sink, single_only=True)
     eager_default = tiles is None and prefill_config == PrefillConfig()
     if eager_default and fresh_kv is not None and takes_tma(q.shape[0], q.shape[-1], window) \
             and supports_tma(q, *fresh_kv, kv_cache):
         return prefill_attention_tma(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens,
-                                     max_query_len, scale, single_queries=False)
+                                     max_query_len, scale, single_queries=False, cached_prefixes=cached_prefixes)
     if eager_default and takes_large_tiles(q.shape[0], q.shape[-1], kv_cache.element_size(), window):
         prefill_config = LARGE_TILES
     return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens,

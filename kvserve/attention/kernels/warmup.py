@@ -78,16 +78,18 @@ def _warm_shape(heads: int, kv_heads: int, head_dim: int, window: int | None, si
 
 
 def _warm_tma(batch: "_TinyBatch", scale: float, window: int | None) -> int:
-    """The TMA prefill kernel once, where a large eager step of this shape would take it."""
+    """The TMA prefill kernel, with and without its prefix loop, where a large eager step of
+    this shape would take it."""
     q, kv_cache, out, tables, starts, seq_lens = batch.args(decode=False)
     if not takes_tma(TMA_MIN_TOKENS, q.shape[-1], window):
         return 0
     k = torch.zeros(q.shape[0], *kv_cache.shape[3:], dtype=kv_cache.dtype, device=q.device)
     if not supports_tma(q, k, k, kv_cache):
         return 0
-    prefill_attention_tma(q, k, k, kv_cache, out, tables, starts, seq_lens, PREFILL_QUERY, scale,
-                          single_queries=False)
-    return 1
+    for cached_prefixes in (True, False):
+        prefill_attention_tma(q, k, k, kv_cache, out, tables, starts, seq_lens, PREFILL_QUERY, scale,
+                              single_queries=False, cached_prefixes=cached_prefixes)
+    return 2
 
 
 class _TinyBatch:
