@@ -265,7 +265,7 @@ def test_tma_prefill_matches_reference(block_size, heads, kv_heads, monkeypatch)
 
 # A large eager step of fresh prompts only (decodes beside them): the TMA kernel built
 # without its prefix loop.
-TMA_FRESH_STEP = [(0, 1500), (0, 1), (0, 700), (3000, 1), (0, 129), (0, 5)]
+TMA_FRESH_STEP = [(0, 2050), (0, 1), (0, 700), (3000, 1), (0, 129), (0, 5)]
 
 
 @pytest.mark.gpu
@@ -298,13 +298,14 @@ def test_fresh_key_share(seqs, share):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqs,taken", [(TMA_STEP, [True]), ([(4000, 4096)], [True]), (TMA_FRESH_STEP, [False]),
-                                        ([(3000, 1200), (0, 900), (7000, 1)], [])],
-                         ids=["with-prefixes", "third-fresh", "fresh-only", "prefix-heavy"])
+                                        ([(3000, 1200), (0, 900), (7000, 1)], []),
+                                        ([(0, 1024)] * 3, [])],
+                         ids=["with-prefixes", "third-fresh", "fresh-only", "prefix-heavy", "short-chunks"])
 def test_backend_takes_tma_path_by_the_step(seqs, taken, monkeypatch):
     """Through the backend: a large step whose chunks' own keys carry a third of its
     attention or more takes the TMA path (built without the prefix loop when no prompt row
-    has a cached prefix), one mostly over cached prefixes keeps the paged kernel; all match
-    the reference."""
+    has a cached prefix); one mostly over cached prefixes, or whose chunks are all short,
+    keeps the paged kernel; all match the reference."""
     from kvserve.attention.kernels import mixed
     calls = []
     real = mixed.prefill_attention_tma

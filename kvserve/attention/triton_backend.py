@@ -18,7 +18,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
-from kvserve.attention.kernels.mixed import TMA_MIN_FRESH_SHARE, takes_tma
+from kvserve.attention.kernels.mixed import TMA_MIN_FRESH_SHARE, TMA_MIN_LONGEST_CHUNK, takes_tma
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -53,7 +53,7 @@ def _takes_fresh_kv(meta: AttentionMetadata, head_dim: int, window: int | None) 
     of its attention over the chunks' own keys (with long cached prefixes the paged
     kernel reads those better)."""
     return (meta.prefill_tiles is None and takes_tma(meta.num_tokens, head_dim, window)
-            and meta.fresh_key_share() >= TMA_MIN_FRESH_SHARE)
+            and meta.max_query_len >= TMA_MIN_LONGEST_CHUNK and meta.fresh_key_share() >= TMA_MIN_FRESH_SHARE)
 
 
 def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:
