@@ -16,8 +16,9 @@ from the cache; then the chunk's tiles before the diagonal (unmasked) and
 those reaching it (causal mask) from the descriptors. Tiles that run past a
 sequence's chunk into the next one's rows are masked by causality, and rows
 past the tensor's end are zero-filled by the copy engine. No split-KV: the
-path serves steps with query tiles enough to fill the GPU, and only those whose
-chunks' own keys carry a third of their attention or more
+path serves steps with query tiles enough to fill the GPU, a chunk of 2,048 tokens
+or more (`mixed.TMA_MIN_LONGEST_CHUNK`: over short chunks the paged kernel wins),
+and only those whose chunks' own keys carry a third of their attention or more
 (`AttentionMetadata.fresh_key_share`): past that the prefix's gathers dominate,
 and the paged kernel's own tiles do those better (3 x 1,000 new tokens after
 7,000 cached: 350 against 379 TFLOP/s; 1 x 4,096 after 4,096, a share of a
