@@ -14,6 +14,8 @@
 #   stage 4  carry [".dummy-qwen3-8b"]:          vLLM's serving runs (about 150 s of start-up)
 #   stage 5  carry [".dummy-qwen3-8b"]:          vLLM's offline seed scenarios; with PROFILES=1 first its
 #                                                decode-step profile at ide's shape
+#   stage 6  carry [".dummy-qwen3-8b"]:          the mixed burst's prefill profiled in both engines
+#                                                (burst_prefill_profile.py; about 5 minutes)
 # PROFILES=1 (in every stage's command) runs the profiles too: about 5 more minutes of device time.
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without .vp1: stage 2 then needs a call carrying .vp1
@@ -26,7 +28,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|2|3|4|5 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|2|3|4|5|6 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -88,5 +90,10 @@ case $stage in
     [ "${PROFILES:-0}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 200 python3 benchmarks/vllm_step_profile.py "$PWD/.dummy-qwen3-8b" \
       2>&1 | grep -E "^vllm|^GPU|ms/step|Error" | tee "$OUT/vllm_ide24prof.txt"
     offline vllm 380 ;;
-  *) echo "stage must be 1, 2, 3, 4 or 5"; exit 2 ;;
+  6)  # the served mixed burst's prefill, kernel by kernel, in both engines (vLLM: ~140 s of start-up)
+    PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/burst_prefill_profile.py --engine kvserve \
+      --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^kvserve|^  |^device|Error" | tail -40 | tee "$OUT/burst_kvserve.txt"
+    PYTHONPATH=$PWD:$PWD/.vsite timeout 400 python3 benchmarks/burst_prefill_profile.py --engine vllm \
+      --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^vllm|^  |^device|Error" | tail -40 | tee "$OUT/burst_vllm.txt" ;;
+  *) echo "stage must be 1 to 6"; exit 2 ;;
 esac
