@@ -33,9 +33,9 @@ TMA_MIN_TOKENS = 2048
 # ...and whose chunks' own keys carry at least this share of the prompt rows' attention
 # (the rest is over cached prefixes, which both kernels gather): see prefill_tma.py.
 TMA_MIN_FRESH_SHARE = 1 / 3
-# ...and whose longest chunk is at least this long: over short chunks its 32-token query
-# tiles each fold only a few key tiles, and the paged kernel's large tiles win (8 x 1,024
-# fresh tokens on an H200: 380 against 252 us; 2 x 4,096: 628 against 766).
+# ...and whose longest chunk is at least this long: over short chunks the paged kernel's
+# large tiles win, for reasons not yet known (H200, fresh prompts: 8 x 1,024 381 against
+# 252 us; 2 x 4,096 629 against 766).
 TMA_MIN_LONGEST_CHUNK = 2048
 
 

@@ -165,7 +165,8 @@ def prefill_attention_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     `single_queries=False` leaves one-query sequences to the decode kernel.
     `cached_prefixes=False` promises that no sequence it computes has one: the kernel is
     then built without the prefix loop, whose 128-key gather tiles otherwise slow the
-    chunk's own loop too (at 8 x 1,024 fresh tokens 312 against 248 us)."""
+    chunk's own loop too (H200, fresh prompts: 1 x 8,192 1,148 against 1,182 us; a
+    served burst's ragged step 450 against 479)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[3]
