@@ -7,18 +7,21 @@ head_dim 128, bf16, block size 16), times:
   (cuDNN's fused attention is FA3-class on Hopper; flash is FA2);
 - a contiguous causal kernel in Triton that loads Q/K/V tiles through tensor descriptors
   (TMA), one query head a program or one GQA group a program, over a few tile shapes.
-- the TMA path large eager steps take (`kernels/prefill_tma.py`), through `mixed_attention`;
-- cuDNN's ragged (THD) attention through `aten._cudnn_attention_forward`: the step's packed
-  tokens and unexpanded KV heads, one call for every sequence (what vLLM's FA3 varlen call is).
+- the TMA path large eager steps take (`kernels/prefill_tma.py`), through `mixed_attention`,
+  built without its prefix loop (as fresh prompts run it) and with it;
+- with --cudnn-ragged, cuDNN's ragged (THD) attention through `aten._cudnn_attention_forward`:
+  the step's packed tokens and unexpanded KV heads, one call for every sequence (the shape of
+  vLLM's FA3 varlen call).
 Rows print TFLOP/s (causal FLOPs: 4 * heads * head_dim * keys seen) and, for fresh prompts,
 the relative error against a float32 SDPA. Then chunks after a cached prefix (paged kernel
-against the TMA path; no reference there: tests/test_triton_kernels.py checks it), and a ragged
-step of the served mixed burst's prompt lengths, with what cuDNN's first call of a new shape costs
-(its execution plans are built per shape).
+against the TMA path; no reference there: tests/test_triton_kernels.py checks it), a ragged
+step of the served mixed burst's prompt lengths, and one with some cached prefixes (TMA prefix
+tiles of 64 and 128 keys); with --cudnn-ragged also cuDNN's log-sum-exp against float32 and
+its first call at new shapes against its warm time.
 
     python3 benchmarks/prefill_headroom.py [--quick] [--cudnn-ragged]
-    # --quick: no contiguous-kernel variants; --cudnn-ragged: cuDNN's ragged rows, its log-sum-exp
-    # and first calls (on torch 2.11 each call took ~45 ms: it builds its plan every time)
+    # --quick: no contiguous-kernel variants; --cudnn-ragged: cuDNN's ragged rows (on torch 2.11
+    # each call took 44-75 ms, first or warm: it builds its plan every time)
 """
 from __future__ import annotations
 
