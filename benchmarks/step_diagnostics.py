@@ -138,17 +138,13 @@ def decode24() -> None:
     print(f"decode24: {(times[129] - times[1]) / 128 * 1e3:.2f} ms/step (24 seqs x ~3.7K context)")
 
 
-KERNEL_KINDS = (("attention", ("_prefill", "_decode", "attn", "fmha", "flash")),
-                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
-                ("memset/copy", ("memset", "memcpy", "copy", "fill")))
-
-
 def prefill8k() -> None:
     """Three fresh 8,000-token prompts through 8,192-token steps (eager, as a served burst's long
     prompts run): device ms a step by kernel kind and the top kernels, and the GEMMs' TFLOP/s."""
     from torch.profiler import ProfilerActivity, profile
     from kvserve import LLM, SamplingParams
     from kvserve.attention.kernels import mixed
+    from kvserve.bench.profile import kernel_kind
     if os.environ.get("TMA") == "0":   # the paged kernel's large tiles, as before the TMA path
         mixed.TMA_MIN_TOKENS = 1 << 30
     llm = LLM("dummy:qwen3-8b", max_model_len=8192, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
@@ -166,7 +162,7 @@ def prefill8k() -> None:
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     kinds: dict[str, float] = {}
     for e in events:
-        kind = next((k for k, keys in KERNEL_KINDS if any(w in e.key.lower() for w in keys)), "other")
+        kind = kernel_kind(e.key)
         kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
     print(f"prefill8k (TMA path {'off' if os.environ.get('TMA') == '0' else 'on'}): 24,000 prompt tokens in {steps} steps, wall {wall * 1e3 / steps:.1f} ms/step (profiler on)")
     print("  " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))

@@ -122,7 +122,7 @@ def run_profile_cli(a: argparse.Namespace) -> int:
     _wrap_attention(engine.runner.model)
     tally = _count_decode_bytes(engine)
     steps_before = engine.stats.num_steps
-    prof, elapsed = _profiled_run(llm, prompts, params)
+    prof, elapsed = profiled_run(llm, prompts, params)
     prof.export_chrome_trace(a.trace)
     report = profile_report(prof, engine.stats.num_steps - steps_before, tally, engine.runner.device,
                             a.attention_kernel, elapsed)
@@ -133,7 +133,9 @@ def run_profile_cli(a: argparse.Namespace) -> int:
     return 0
 
 
-def _profiled_run(llm, prompts, params):
+def profiled_run(llm, prompts, params):
+    """`llm.generate` of token-id prompts under torch's profiler (CPU, and CUDA where there is
+    one): (the profile, the wall seconds). kvserve's and vLLM's `LLM` both fit."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
@@ -143,6 +145,17 @@ def _profiled_run(llm, prompts, params):
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     return prof, elapsed
+
+
+# Device kernels by kind, from their names (first match wins; vLLM's FA3 kernels say "flash").
+KERNEL_KINDS = (("attention", ("_prefill", "_decode", "attn", "fmha", "flash")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+                ("memset/copy", ("memset", "memcpy", "copy", "fill")))
+
+
+def kernel_kind(name: str, kinds=KERNEL_KINDS) -> str:
+    """The kind of `kinds` whose words `name` holds; "other" for none."""
+    return next((kind for kind, words in kinds if any(w in name.lower() for w in words)), "other")
 
 
 def kernel_rows(prof, on_gpu: bool) -> list[dict[str, Any]]:
