@@ -241,6 +241,16 @@ def test_large_eager_steps_tile_config(block_size, seqs):
         assert err < TOL, (spec, err)
 
 
+def _spy_tma(monkeypatch) -> list[bool]:
+    """Each launch of the TMA prefill path from `mixed_attention`, as its `cached_prefixes`."""
+    from kvserve.attention.kernels import mixed
+    calls = []
+    real = mixed.prefill_attention_tma
+    monkeypatch.setattr(mixed, "prefill_attention_tma",
+                        lambda *a, **kw: calls.append(kw["cached_prefixes"]) or real(*a, **kw))
+    return calls
+
+
 # A large eager step: fresh prompts, chunks after cached prefixes that end inside a key
 # tile, a chunk shorter than one query tile, and decodes, past the TMA path's threshold.
 TMA_STEP = [(0, 2100), (0, 1), (300, 1000), (5000, 1), (17, 129), (4096, 40), (0, 5)]
@@ -253,10 +263,7 @@ def test_tma_prefill_matches_reference(block_size, heads, kv_heads, monkeypatch)
     """Large eager steps read the chunk's keys from the step's K/V through TMA
     (kernels/prefill_tma.py): exact against the reference over the cached prefix plus the
     chunk, and actually taken (a spy counts its launches)."""
-    from kvserve.attention.kernels import mixed
-    calls = []
-    real = mixed.prefill_attention_tma
-    monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _spy_tma(monkeypatch)
     err = check_attention(TMA_STEP, FullAttentionSpec(), block_size, heads=heads, kv_heads=kv_heads,
                           seed=block_size + heads, fresh_kv=True)
     assert calls, "the TMA path was not taken"
@@ -274,11 +281,7 @@ TMA_FRESH_STEP = [(0, 2050), (0, 1), (0, 700), (3000, 1), (0, 129), (0, 5)]
 def test_tma_prefill_without_prefix_loop_matches_reference(block_size, heads, kv_heads, monkeypatch):
     """Fresh prompts through the TMA kernel compiled without the prefix loop: exact against
     the reference, and that variant is the one launched."""
-    from kvserve.attention.kernels import mixed
-    calls = []
-    real = mixed.prefill_attention_tma
-    monkeypatch.setattr(mixed, "prefill_attention_tma",
-                        lambda *a, **kw: calls.append(kw["cached_prefixes"]) or real(*a, **kw))
+    calls = _spy_tma(monkeypatch)
     err = check_attention(TMA_FRESH_STEP, FullAttentionSpec(), block_size, heads=heads, kv_heads=kv_heads,
                           seed=block_size + heads + 1, fresh_kv=True, cached_prefixes=False)
     assert calls == [False]
@@ -306,11 +309,7 @@ def test_backend_takes_tma_path_by_the_step(seqs, taken, monkeypatch):
     attention or more takes the TMA path (built without the prefix loop when no prompt row
     has a cached prefix); one mostly over cached prefixes, or whose chunks are all short,
     keeps the paged kernel; all match the reference."""
-    from kvserve.attention.kernels import mixed
-    calls = []
-    real = mixed.prefill_attention_tma
-    monkeypatch.setattr(mixed, "prefill_attention_tma",
-                        lambda *a, **kw: calls.append(kw["cached_prefixes"]) or real(*a, **kw))
+    calls = _spy_tma(monkeypatch)
     spec = FullAttentionSpec()
     meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 32, 8, 128, "cuda", torch.Generator().manual_seed(3))
     layer = _layer(spec, 32, 8, 128)
