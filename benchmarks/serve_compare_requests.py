@@ -1,7 +1,8 @@
 """Two engines' runs of one workload, request by request: mean TTFT by the second a request was
-sent in, and when the requests sent in the first SECONDS got their first tokens (a burst: whose
-prefill kept up). Both files are `kvserve bench serve --save-json` results of the same workload,
-seed and count, so request i is the same prompt in both.
+sent in, when the requests sent in the first SECONDS got their first tokens (a burst: whose
+prefill kept up), and the spacing of their first-token groups (each engine's step time). Both
+files are `kvserve bench serve --save-json` results of the same workload, seed and count, so
+request i is the same prompt in both.
 
     python benchmarks/serve_compare_requests.py A.json B.json [SECONDS]
 """
@@ -41,6 +42,18 @@ def first_tokens(requests: list[dict], seconds: float) -> str:
             f"p90 {percentile(done, 0.9):.2f} s, last {done[-1]:.2f} s")
 
 
+def first_token_spacing(requests: list[dict], seconds: float) -> str:
+    """First tokens of a burst come in groups, one a prefill step: the median spacing of those
+    groups (a new group after a 30 ms lull; spacings of 100-400 ms, a full step's) reads each
+    engine's step time from the client's side."""
+    done = sorted(r["sent_s"] + r["ttft_ms"] / 1e3 for r in requests if r["sent_s"] < seconds and r["ok"])
+    starts = [t for i, t in enumerate(done) if i == 0 or t - done[i - 1] > 0.03]
+    steps = [b - a for a, b in zip(starts, starts[1:]) if 0.1 < b - a < 0.4]
+    if not steps:
+        return "no full-step spacing between first-token groups"
+    return f"{len(starts)} first-token groups, median spacing of full steps {statistics.median(steps) * 1e3:.0f} ms"
+
+
 def main(argv: list[str]) -> int:
     if len(argv) not in (2, 3):
         print(__doc__)
@@ -56,6 +69,7 @@ def main(argv: list[str]) -> int:
     seconds = float(argv[2]) if len(argv) == 3 else 5.0
     print("\n".join(by_second(a, b)))
     print(f"A: {first_tokens(a, seconds)}\nB: {first_tokens(b, seconds)}")
+    print(f"A: {first_token_spacing(a, seconds)}\nB: {first_token_spacing(b, seconds)}")
     return 0
 
 
