@@ -27,7 +27,8 @@ from offline_scenarios import ENGINE_ARGS, scenario_requests  # noqa: E402
 
 from kvserve.bench.profile import KERNEL_KINDS, device_idle, kernel_kind, kernel_rows, profiled_run  # noqa: E402
 
-BURST = 229          # requests the served run sent in its first five seconds (of 256)
+SERVED = 256         # the served mixed run's requests
+BURST = 229          # of them, those it sent in its first five seconds
 # The profile tool's kernel kinds, and the elementwise kernels beside them.
 KINDS = KERNEL_KINDS + (("norm/act/rope", ("norm", "silu", "rope", "rotary", "act_and_mul")),)
 
@@ -66,7 +67,9 @@ def main() -> None:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--requests", type=int, default=BURST)
     a = p.parse_args()
-    burst = [r.prompt for r in scenario_requests("mixed", 256, a.model_dir)[:a.requests]]
+    if not 1 <= a.requests <= SERVED:
+        p.error(f"--requests must be in [1, {SERVED}] (the served run's requests), got {a.requests}")
+    burst = [r.prompt for r in scenario_requests("mixed", SERVED, a.model_dir)[:a.requests]]
     llm, params = engine(a.engine, a.model_dir)
     profiled_run(llm, [r.prompt for r in scenario_requests("qa", 16, a.model_dir)], params)   # warm: other prompts
     prof, wall = profiled_run(llm, burst, params)
