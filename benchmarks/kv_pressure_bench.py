@@ -72,9 +72,9 @@ def watch_steps(llm):
         out = last["out"] = schedule()
         return out
 
-    def timed_step():
+    def timed_step(emit=None):
         t, last["wait"] = time.perf_counter(), 0.0
-        touched = step()
+        touched = step(emit)
         out = last.pop("out", None)
         if out is not None and out.scheduled:
             decode = all(s.num_new_tokens == 1 for s in out.scheduled)

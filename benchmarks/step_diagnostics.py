@@ -11,7 +11,11 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
   python3 benchmarks/step_diagnostics.py ide24prof [VOCAB]  # the same at 24 x ~900 tokens, 3 per prefix (ide at
                                                     # 30 req/s); VOCAB 49152: the served directory's (vllm_step_profile.py)
   python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
-                                                    # the drain before long eager launches off and on
+                                                    # the drain before long eager launches off and on (tokens
+                                                    # timed when the engine hands them over, as the core sends them)
+  python3 benchmarks/step_diagnostics.py launchqueue [default]  # launches the host queues behind a busy
+                                                    # device before one blocks; with the engine's queue scale
+                                                    # (CUDA_SCALE_LAUNCH_QUEUES), or the driver's default
   python3 benchmarks/step_diagnostics.py prefill8k   # kernel time of 8K-token eager prefill steps, by kind
                                                     # (TMA=0: without the TMA prefill path)
 
@@ -209,18 +213,21 @@ def burst_row(engine, rng: random.Random, decoding: list, drain: bool) -> str:
         engine.add_request(longs[-1])
     last = {r.request_id: start for r in decoding}
     gaps, ttft, hosts = [], {}, []
-    while not all(r.is_finished for r in longs):
-        eager, t0 = engine.runner.num_eager_forwards, time.perf_counter()
-        touched = engine.step()
+
+    def handed_over(touched: list) -> None:   # when the serving core would send these tokens
         now = time.perf_counter()
-        if engine.runner.num_eager_forwards > eager:
-            hosts.append((now - t0 - engine.last_wait_s) * 1e3)
         for r in touched:
             if r.request_id in last:
                 gaps.append((now - last[r.request_id]) * 1e3)
                 last[r.request_id] = now
             elif r in longs and r.request_id not in ttft:
                 ttft[r.request_id] = (now - start) * 1e3
+    while not all(r.is_finished for r in longs):
+        eager, t0 = engine.runner.num_eager_forwards, time.perf_counter()
+        touched = engine.step(emit=handed_over)
+        if engine.runner.num_eager_forwards > eager:
+            hosts.append((time.perf_counter() - t0 - engine.last_wait_s) * 1e3)
+        handed_over(touched)
     firsts = list(ttft.values())
     q = lambda v, p: percentile(v, p) if v else float("nan")  # noqa: E731
     return (f"{'on' if drain else 'off':>6}{len(hosts):>11}{q(hosts, .5):>9.1f}{q(hosts, 1):>9.1f}{q(gaps, .5):>9.1f}"
@@ -228,8 +235,30 @@ def burst_row(engine, rng: random.Random, decoding: list, drain: bool) -> str:
             f"{time.perf_counter() - start:>8.2f}")
 
 
+def launch_queue() -> None:
+    """Launches of a tiny kernel queued behind a ~1 s device spin until one blocks the host: the
+    launch queue's depth, with the scale the engine asks for (`widen_launch_queue`) or, with
+    `default` as the next argument, the driver's own (CUDA_SCALE_LAUNCH_QUEUES as the caller set it)."""
+    from kvserve.runner.launch_queue import LAUNCH_QUEUE_ENV, widen_launch_queue
+    if sys.argv[2:3] != ["default"]:
+        widen_launch_queue()
+    x = torch.zeros(1, device="cuda")
+    x.add_(1)   # the kernel's module loads lazily: not inside the timed launches
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    for queued in range(20000):
+        t0 = time.perf_counter()
+        x.add_(1)
+        if time.perf_counter() - t0 > 5e-3:
+            break
+    torch.cuda.synchronize()
+    print(f"launchqueue: {queued} launches queued before one blocked the host "
+          f"({LAUNCH_QUEUE_ENV}={os.environ.get(LAUNCH_QUEUE_ENV, 'unset')})")
+
+
 if __name__ == "__main__":
     patch_decode_config()
     what = sys.argv[1]
     {"copy": copy_speed, "pcie": pcie, "decode24": decode24, "mixedburst": mixed_burst,
-     "prefill8k": prefill8k}.get(what, lambda: step_profile(what))()
+     "prefill8k": prefill8k, "launchqueue": launch_queue}.get(what, lambda: step_profile(what))()

@@ -16,9 +16,11 @@ def llama_dir(tmp_path_factory):
     return save_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama") / "ckpt")
 
 
-def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]]):
+def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]], events: list | None = None):
     """Four short requests decode while two 300-token prompts are prefilled in 64-token
-    steps. Returns (outputs, launches: (tokens, decode-only, previous given, row request indices))."""
+    steps. Returns (outputs, launches: (tokens, decode-only, previous given, row request indices)).
+    With `events`, steps get an `emit` and the list gets, in order, ("launch", tokens) per launch,
+    ("emit", {index: tokens so far}) per emit and ("return", {index: tokens so far}) per step."""
     llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8, max_model_len=512,
               max_num_batched_tokens=64)
     engine = llm.engine
@@ -29,21 +31,29 @@ def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]]):
         assert not any(s.request.is_finished for s in out.scheduled)
         launches.append((out.num_tokens, out.decode is not None, previous is not None,
                          {requests.index(s.request) for s in out.scheduled}))
+        if events is not None:
+            events.append(("launch", out.num_tokens))
         return launch(out, tables, previous, prompt_logprobs)
     engine.runner.launch = spy
+    seen = lambda touched: {requests.index(r): len(r.output_token_ids) for r in touched}  # noqa: E731
+
+    def step():
+        if events is None:
+            return engine.step()
+        events.append(("return", seen(engine.step(emit=lambda touched: events.append(("emit", seen(touched)))))))
     requests = [engine.make_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                       stop_token_ids=stops.get(i)))
                 for i, p in enumerate(random_prompts([5, 7, 9, 11], seed=3))]
     for r in requests:
         engine.add_request(r)
     for _ in range(3):
-        engine.step()
+        step()
     for p in random_prompts([300, 300], seed=4):
         request = engine.make_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         requests.append(request)
         engine.add_request(request)
     while engine.has_unfinished_requests():
-        engine.step()
+        step()
     return [list(r.output_token_ids) for r in requests], launches
 
 
@@ -62,3 +72,25 @@ def test_long_eager_steps_launch_after_the_step_in_flight_is_resolved(llama_dir)
     # sampled, not yet read); the drained one read the stop first and left the row out.
     rows_of = lambda launched: sum(i in rows for *_, rows in launched)  # noqa: E731
     assert rows_of(plain) == rows_of(launches) + 1
+
+
+def test_tokens_a_drain_read_go_out_before_the_long_launch(llama_dir):
+    """With `emit` (the serving core's), a drained step's tokens are handed over before the long
+    launch, not after it; every token still reaches the caller, and the outputs do not change."""
+    reference, _ = _run(llama_dir, 16, {})
+    events = []
+    outputs, launches = _run(llama_dir, 16, {}, events)
+    assert outputs == reference
+    # the long launches with a step in flight before them (the first, the short prompts', has none)
+    long_launches = [i for i, (kind, tokens) in enumerate(events) if kind == "launch" and tokens > 16 and i > 0]
+    assert len(long_launches) >= 8
+    assert all(events[i - 1][0] == "emit" and events[i - 1][1] for i in long_launches)
+    emitted = [e for kind, e in events if kind == "emit"]
+    assert all(e for e in emitted) and len(emitted) == len(long_launches)
+    delivered = {}
+    for kind, got in events:
+        if kind != "launch":
+            for index, count in got.items():
+                assert count > delivered.get(index, 0)   # each hand-over carries new tokens
+                delivered[index] = count
+    assert delivered == {i: len(out) for i, out in enumerate(outputs)}

@@ -216,11 +216,11 @@ def fail_on_fifth_step(engine) -> None:
     """engine_hook for the core process: its 5th step raises (a bug in the core)."""
     step, calls = engine.step, [0]
 
-    def failing_step():
+    def failing_step(emit=None):
         calls[0] += 1
         if calls[0] == 5:
             raise RuntimeError("injected core failure")
-        return step()
+        return step(emit)
     engine.step = failing_step
 
 
@@ -252,10 +252,10 @@ def refuse_unfrozen_heap(engine) -> None:
     """engine_hook for the core process: a step on an unfrozen start-up heap raises."""
     step = engine.step
 
-    def checked_step():
+    def checked_step(emit=None):
         if gc.get_freeze_count() == 0:
             raise RuntimeError("the start-up heap was not frozen")
-        return step()
+        return step(emit)
     engine.step = checked_step
 
 

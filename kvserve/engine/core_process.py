@@ -171,11 +171,15 @@ class EngineCore:
 
     def _traced_step(self) -> None:
         start = now()
-        touched = self.engine.step()
+        touched = self.engine.step(emit=self._emit)
         stepped = now()
         self._send(self._outputs(touched))
         if self._trace is not None:
             self._trace.record(start, stepped - start, self.engine.last_wait_s, now() - stepped, self.engine)
+
+    def _emit(self, touched: list) -> None:
+        """Tokens the engine read before a long launch: out now, not after it."""
+        self._send(self._outputs(touched))
 
     def _send(self, message: CoreOutputs) -> None:
         """The step's message, with a metrics snapshot at most every METRICS_INTERVAL_S."""

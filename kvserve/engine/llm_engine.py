@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 from operator import attrgetter
-from typing import Any
+from typing import Any, Callable
 
 from kvserve.config import EngineArgs
 from kvserve import detokenizer
@@ -122,7 +122,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._in_flight is not None
 
-    def step(self) -> list[Request]:
+    def step(self, emit: Callable[[list[Request]], None] | None = None) -> list[Request]:
         """Launch the next step, then finish the one before it.
 
         Steps are pipelined one deep: step N+1 is scheduled and queued on the
@@ -130,10 +130,16 @@ class LLMEngine:
         scheduler, batch building, stop checks) overlaps device work; a long
         eager step reads step N's ids before it launches instead
         (`_drain_before_long_launch`). Returns the requests that got a new token.
+        With `emit`, the requests such a drain gave a token go to `emit` before
+        the long launch (tens of ms of host time, a whole step's when the launch
+        queue fills) instead of into the returned list.
         """
         self.last_wait_s = 0.0
         out = self.scheduler.schedule()
         drained = self._drain_before_long_launch(out)
+        if drained and emit is not None:
+            emit(drained)
+            drained = []
         if out.is_empty:
             self.runner.copy_blocks(out.kv_copies)  # a swap-out with nothing scheduled
             touched = drained + self._finish_in_flight(None)
