@@ -5,7 +5,7 @@
 #   2. the burst offline (step_diagnostics.py mixedburst: drain off/on/off/on), driver-default queue
 #      ("1x") and the engine's 4x;
 #   3. kvserve serving mixed:60:256 with its step trace (the engine's 4x queue, drained tokens sent
-#      before the long launch).
+#      before the long launch); PROFILE=1 adds a cProfile of the core's steps.
 # .srv holds the server's and client's wheels (fastapi, uvicorn, pydantic, pyzmq, msgspec, httpx, ...)
 # for Python 3.12: `pip download --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 fastapi uvicorn prometheus-client pyzmq msgspec httpx -d .srv`.
@@ -36,6 +36,8 @@ for part in $parts; do
       done ;;
     serve)
       export PATH=$PWD/.srvsite/bin:$PATH PYTHONPATH=$PWD/.srvsite
+      # PROFILE=1: a cProfile of every core step too ($OUT/core_profile.txt and .pstats)
+      [ "${PROFILE:-0}" = 1 ] && export KVSERVE_CORE_PROFILE=$OUT/core_profile.txt
       KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv timeout 400 \
         bash benchmarks/serve_load.sh kvserve "$PWD/.dummy-qwen3-8b" "${RUNS:-mixed:60:256}"
       PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$OUT/steps_kvserve.tsv" --segments \

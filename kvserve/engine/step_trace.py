@@ -225,6 +225,8 @@ class StepProfile:
             self.flush()
 
     def flush(self) -> None:
+        """The text summary at `path`, the raw stats beside it (`path`.pstats: callers and callees)."""
+        self.profiler.dump_stats(self.path + ".pstats")
         with open(self.path, "w") as f:
             f.write(f"{self.num_steps} steps\n")
             stats = pstats.Stats(self.profiler, stream=f)
