@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The served mixed burst's host stalls, in one device call (carry [".srv", ".dummy-qwen3-8b"]):
-#   1. the launch queue's depth: the driver's default, "1x", and the engine's 4x (step_diagnostics.py
-#      launchqueue), each in its own process;
-#   2. the burst offline (step_diagnostics.py mixedburst: drain off/on/off/on), driver-default queue
-#      ("1x") and the engine's 4x;
-#   3. kvserve serving mixed:60:256 with its step trace (the engine's 4x queue, drained tokens sent
-#      before the long launch); PROFILE=1 adds a cProfile of the core's steps.
+#   1. the launch queue's depth: the driver's default, "1x" and "4x" (CUDA_SCALE_LAUNCH_QUEUES;
+#      step_diagnostics.py launchqueue), each in its own process;
+#   2. the burst offline (step_diagnostics.py mixedburst: drain off/on/off/on), queue 1x and 4x;
+#   3. kvserve serving mixed:60:256 with its step trace (drained tokens sent before the long
+#      launch); PROFILE=1 adds a cProfile of the core's steps.
 # .srv holds the server's and client's wheels (fastapi, uvicorn, pydantic, pyzmq, msgspec, httpx, ...)
 # for Python 3.12: `pip download --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 fastapi uvicorn prometheus-client pyzmq msgspec httpx -d .srv`.
@@ -20,13 +19,11 @@ fi
 for part in $parts; do
   case $part in
     queue)
-      for scale in default 1x engine; do
-        if [ $scale = engine ]; then
+      for scale in unset 1x 4x; do
+        if [ $scale = unset ]; then
           PYTHONPATH=$PWD python3 benchmarks/step_diagnostics.py launchqueue
-        elif [ $scale = 1x ]; then
-          CUDA_SCALE_LAUNCH_QUEUES=1x PYTHONPATH=$PWD python3 benchmarks/step_diagnostics.py launchqueue default
         else
-          PYTHONPATH=$PWD python3 benchmarks/step_diagnostics.py launchqueue default
+          CUDA_SCALE_LAUNCH_QUEUES=$scale PYTHONPATH=$PWD python3 benchmarks/step_diagnostics.py launchqueue
         fi
       done 2>&1 | grep "^launchqueue\|Error" | tee "$OUT/launchqueue.txt" ;;
     offline)

@@ -13,9 +13,8 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
   python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
                                                     # the drain before long eager launches off and on (tokens
                                                     # timed when the engine hands them over, as the core sends them)
-  python3 benchmarks/step_diagnostics.py launchqueue [default]  # launches the host queues behind a busy
-                                                    # device before one blocks; with the engine's queue scale
-                                                    # (CUDA_SCALE_LAUNCH_QUEUES), or the driver's default
+  python3 benchmarks/step_diagnostics.py launchqueue  # launches the host queues behind a busy device before
+                                                    # one blocks (CUDA_SCALE_LAUNCH_QUEUES=4x: four times as many)
   python3 benchmarks/step_diagnostics.py prefill8k   # kernel time of 8K-token eager prefill steps, by kind
                                                     # (TMA=0: without the TMA prefill path)
 
@@ -237,11 +236,8 @@ def burst_row(engine, rng: random.Random, decoding: list, drain: bool) -> str:
 
 def launch_queue() -> None:
     """Launches of a tiny kernel queued behind a ~1 s device spin until one blocks the host: the
-    launch queue's depth, with the scale the engine asks for (`widen_launch_queue`) or, with
-    `default` as the next argument, the driver's own (CUDA_SCALE_LAUNCH_QUEUES as the caller set it)."""
-    from kvserve.runner.launch_queue import LAUNCH_QUEUE_ENV, widen_launch_queue
-    if sys.argv[2:3] != ["default"]:
-        widen_launch_queue()
+    launch queue's depth under CUDA_SCALE_LAUNCH_QUEUES as the caller set it (the driver reads it
+    when CUDA starts)."""
     x = torch.zeros(1, device="cuda")
     x.add_(1)   # the kernel's module loads lazily: not inside the timed launches
     torch.cuda._sleep(1000)
@@ -254,7 +250,7 @@ def launch_queue() -> None:
             break
     torch.cuda.synchronize()
     print(f"launchqueue: {queued} launches queued before one blocked the host "
-          f"({LAUNCH_QUEUE_ENV}={os.environ.get(LAUNCH_QUEUE_ENV, 'unset')})")
+          f"(CUDA_SCALE_LAUNCH_QUEUES={os.environ.get('CUDA_SCALE_LAUNCH_QUEUES', 'unset')})")
 
 
 if __name__ == "__main__":
