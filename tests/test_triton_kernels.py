@@ -118,14 +118,15 @@ def _packed_views(q, k, v):
 def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
                     device="cuda", seed=0, decode_config=None,
                     dtype=torch.bfloat16, fused_write=False, prefill_config=None,
-                    fresh_kv=False, cached_prefixes=True) -> float:
+                    fresh_kv=False, cached_prefixes=True, paged_below=0) -> float:
     """Run the kernels directly (NaN-poisoned output) and return the rel. error.
 
     fused_write (decode batches): the decode kernel writes the new K/V itself;
     the cache afterwards must equal a torch index-copy write, bit for bit.
     fresh_kv: mixed batches also hand the kernels this step's K/V as the model
     does, as strided views of one packed q|k|v projection output (`cached_prefixes=False`:
-    the caller's promise that no prompt row has a cached prefix)."""
+    the caller's promise that no prompt row has a cached prefix; `paged_below`: chunks
+    shorter than that go to the paged kernel, as the backend asks)."""
     from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
     from kvserve.attention.torch_ref import write_kv
     from kvserve.attention.triton_backend import mask_bounds
@@ -152,6 +153,8 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
         if fresh_kv:
             extra["fresh_kv"] = _packed_views(q, k, v)
             extra["cached_prefixes"] = cached_prefixes
+            extra["paged_below"] = paged_below
+            extra["longest_paged"] = meta.longest_chunk_below(paged_below)
         mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink, **extra)
     # NaN == NaN here: never-written slots must stay exactly as they were.
     assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"
@@ -288,6 +291,35 @@ def test_tma_prefill_without_prefix_loop_matches_reference(block_size, heads, kv
     assert err < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("cached_prefixes", [True, False], ids=["with-prefixes", "fresh-only"])
+def test_tma_step_sends_short_chunks_to_the_paged_kernel(block_size, cached_prefixes, monkeypatch):
+    """On the TMA path, chunks shorter than `paged_below` go to the paged kernel in a second
+    launch and the TMA kernel leaves them: every row written once (NaN-poisoned output),
+    exact against the reference."""
+    from kvserve.attention.kernels import mixed
+    calls, paged = _spy_tma(monkeypatch), []
+    real = mixed.prefill_attention
+    monkeypatch.setattr(mixed, "prefill_attention",
+                        lambda *a, **kw: paged.append((a[6], kw.get("only_up_to"))) or real(*a, **kw))
+    seqs = TMA_STEP if cached_prefixes else TMA_FRESH_STEP
+    err = check_attention(seqs, FullAttentionSpec(), block_size, heads=32, kv_heads=8, seed=block_size + 7,
+                          fresh_kv=True, cached_prefixes=cached_prefixes, paged_below=2048)
+    longest_short = max(n for _, n in seqs if 1 < n < 2048)
+    assert calls == [cached_prefixes] and paged == [(longest_short, 2047)]
+    assert err < TOL
+
+
+def test_longest_chunk_below():
+    meta = _metadata([(0, 2100), (0, 1), (300, 1000), (17, 129), (0, 2047)], 16,
+                     torch.zeros(5, 1, dtype=torch.int32), torch.zeros(1))
+    assert meta.longest_chunk_below(2048) == 2047
+    assert meta.longest_chunk_below(2047) == 1000
+    assert meta.longest_chunk_below(2) == 0   # one-query rows are the decode kernel's
+    assert meta.scratch[("longest_chunk_below", 2048)] == 2047
+
+
 @pytest.mark.parametrize("seqs,share", [([(0, 1000), (1000, 1000)], 0.5), ([(4096, 4096)], 1 / 3),
                                          ([(3000, 1200), (0, 900), (7000, 1)], 1_125_000 / 4_725_000),
                                          ([(0, 1), (5000, 1)], 1.0), ([(0, 7)], 1.0)])
@@ -422,8 +454,9 @@ def interpreter_smoke() -> None:
 def check_row_ownership(device: str, dtype, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                         block_size: int = 8) -> None:
     """In a mixed batch each kernel writes exactly its own rows: the varlen
-    kernel (single_queries=False) every sequence with a longer query, the
-    decode kernel (single_only=True) the one-query sequences; each row it
+    kernel (single_queries=False) every sequence with a longer query (with
+    `only_up_to`, those up to that length: the TMA kernel takes the longer ones),
+    the decode kernel (single_only=True) the one-query sequences; each row it
     writes matches the float32 reference and the others stay poisoned."""
     from kvserve.attention.kernels import decode_attention, prefill_attention, reshape_and_cache
     from kvserve.attention.kernels.decode import DecodeConfig
@@ -437,23 +470,25 @@ def check_row_ownership(device: str, dtype, heads: int = 4, kv_heads: int = 2, h
     reshape_and_cache(k, v, kv_cache, meta.slot_mappings[0])
     window, sink = mask_bounds(layer)
     starts = meta.query_start_loc.tolist()
-    single = [n == 1 for _, n in seqs]
-    for owns_single, run in (
-            (False, lambda out: prefill_attention(q, kv_cache, out, meta.block_tables[0], meta.query_start_loc,
-                                                  meta.seq_lens, meta.max_query_len, layer.scale, window, sink,
-                                                  single_queries=False)),
-            (True, lambda out: decode_attention(q, kv_cache, out, meta.block_tables[0], meta.query_start_loc,
-                                                meta.seq_lens, meta.max_seq_len, layer.scale, window, sink,
-                                                config=DecodeConfig(split_block_n=16, num_splits=3),
-                                                single_only=True))):
+    lens = [n for _, n in seqs]
+    for owner, owns, run in (
+            ("varlen", lambda n: n > 1, lambda out: prefill_attention(
+                q, kv_cache, out, meta.block_tables[0], meta.query_start_loc, meta.seq_lens,
+                meta.max_query_len, layer.scale, window, sink, single_queries=False)),
+            ("varlen up to 7", lambda n: 1 < n <= 7, lambda out: prefill_attention(
+                q, kv_cache, out, meta.block_tables[0], meta.query_start_loc, meta.seq_lens, 7, layer.scale,
+                window, sink, single_queries=False, only_up_to=7)),
+            ("decode", lambda n: n == 1, lambda out: decode_attention(
+                q, kv_cache, out, meta.block_tables[0], meta.query_start_loc, meta.seq_lens, meta.max_seq_len,
+                layer.scale, window, sink, config=DecodeConfig(split_block_n=16, num_splits=3), single_only=True))):
         out = torch.full_like(q, float("nan"))
         run(out)
         for i, (a, b) in enumerate(zip(starts, starts[1:])):
-            if single[i] != owns_single:
-                assert torch.isnan(out[a:b]).all(), (owns_single, i, "wrote a row of the other kernel")
+            if not owns(lens[i]):
+                assert torch.isnan(out[a:b]).all(), (owner, i, "wrote a row of another kernel")
                 continue
             err = float((out[a:b].float() - ref[a:b]).norm() / ref[a:b].norm())
-            assert err < TOL, (owns_single, i, err)
+            assert err < TOL, (owner, i, err)
 
 
 def test_tiny_shapes_under_interpreter():

@@ -64,6 +64,14 @@ class AttentionMetadata:
             self.scratch["fresh_key_share"] = fresh / (fresh + cached) if fresh + cached else 1.0
         return self.scratch["fresh_key_share"]
 
+    def longest_chunk_below(self, bound: int) -> int:
+        """The longest prompt chunk (query of 2+ tokens) shorter than `bound`; 0 if none.
+        Kept in `scratch` once a step, as `fresh_key_share`."""
+        key = ("longest_chunk_below", bound)
+        if key not in self.scratch:
+            self.scratch[key] = max((n for n in self.query_lens_cpu if 1 < n < bound), default=0)
+        return self.scratch[key]
+
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1

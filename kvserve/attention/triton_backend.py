@@ -18,7 +18,8 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
-from kvserve.attention.kernels.mixed import TMA_MIN_FRESH_SHARE, TMA_MIN_LONGEST_CHUNK, takes_tma
+from kvserve.attention.kernels.mixed import (TMA_MIN_FRESH_SHARE, TMA_MIN_LONGEST_CHUNK,
+                                             TMA_SHORT_CHUNKS_PAGED_BELOW, takes_tma)
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -44,7 +45,10 @@ class TritonAttentionBackend:
         fresh_kv = (k, v) if _takes_fresh_kv(meta, layer.head_dim, window) else None
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
                                tiles=meta.prefill_tiles, fresh_kv=fresh_kv,
-                               cached_prefixes=fresh_kv is None or meta.fresh_key_share() < 1.0)
+                               cached_prefixes=fresh_kv is None or meta.fresh_key_share() < 1.0,
+                               paged_below=TMA_SHORT_CHUNKS_PAGED_BELOW,
+                               longest_paged=meta.longest_chunk_below(TMA_SHORT_CHUNKS_PAGED_BELOW)
+                               if fresh_kv is not None else 0)
 
 
 def _takes_fresh_kv(meta: AttentionMetadata, head_dim: int, window: int | None) -> bool:

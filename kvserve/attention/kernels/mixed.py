@@ -37,6 +37,9 @@ TMA_MIN_FRESH_SHARE = 1 / 3
 # large tiles win, for reasons not yet known (H200, fresh prompts: 8 x 1,024 381 against
 # 252 us; 2 x 4,096 629 against 766).
 TMA_MIN_LONGEST_CHUNK = 2048
+# In a step that takes the TMA path, prompt chunks shorter than this go to the paged
+# kernel's large tiles in a second launch (0: all to the TMA kernel).
+TMA_SHORT_CHUNKS_PAGED_BELOW = 2048
 
 
 def takes_tma(num_tokens: int, head_dim: int, window: int | None) -> bool:
@@ -55,23 +58,40 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     window: int | None, sink: int, tiles: PrefillTiles | None = None,
                     prefill_config: PrefillConfig = PrefillConfig(),
                     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    cached_prefixes: bool = True) -> torch.Tensor:
+                    cached_prefixes: bool = True, paged_below: int = 0,
+                    longest_paged: int = 0) -> torch.Tensor:
     """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
     longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
     are built for `prefill_config`'s query tile. Without tiles and a config of
     its own, a large step's prompt rows read their chunk's keys from `fresh_kv`
     (this step's K/V, [T, KVH, D]) through TMA where the GPU allows, or take
     LARGE_TILES. `cached_prefixes=False` (no prompt row has a cached prefix) lets the TMA
-    path run its kernel without the prefix loop."""
+    path run its kernel without the prefix loop. On the TMA path, prompt chunks shorter than
+    `paged_below` take the paged kernel instead (`longest_paged`: the longest of them; 0:
+    none, one launch)."""
     decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, max_seq_len,
                      scale, window, sink, single_only=True)
     eager_default = tiles is None and prefill_config == PrefillConfig()
     if eager_default and fresh_kv is not None and takes_tma(q.shape[0], q.shape[-1], window) \
             and supports_tma(q, *fresh_kv, kv_cache):
-        return prefill_attention_tma(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens,
-                                     max_query_len, scale, single_queries=False, cached_prefixes=cached_prefixes)
-    if eager_default and takes_large_tiles(q.shape[0], q.shape[-1], kv_cache.element_size(), window):
-        prefill_config = LARGE_TILES
+        split = paged_below if longest_paged else 0
+        prefill_attention_tma(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens,
+                              max_query_len, scale, single_queries=False, cached_prefixes=cached_prefixes,
+                              from_length=split)
+        if not split:
+            return out
+        return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, longest_paged,
+                                 scale, window, sink, config=_eager_config(q, kv_cache, window),
+                                 single_queries=False, max_seq_len=max_seq_len, only_up_to=split - 1)
+    if eager_default:
+        prefill_config = _eager_config(q, kv_cache, window)
     return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens,
                              max_query_len, scale, window, sink, config=prefill_config, tiles=tiles,
                              single_queries=False, max_seq_len=max_seq_len)
+
+
+def _eager_config(q: torch.Tensor, kv_cache: torch.Tensor, window: int | None) -> PrefillConfig:
+    """The paged kernel's tiles for an eager step of q's tokens."""
+    if takes_large_tiles(q.shape[0], q.shape[-1], kv_cache.element_size(), window):
+        return LARGE_TILES
+    return PrefillConfig()

@@ -39,6 +39,7 @@ from kvserve.attention.kernels.decode import sm_count
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+MAX_INT32 = 2**31 - 1   # `only_up_to` when every query length is computed here
 # Bytes of fp32 partials a split launch may allocate ([tokens, heads, splits, head_dim]):
 # steps large enough to need more have query tiles enough to fill the GPU unsplit.
 PARTIALS_BUDGET = 16 << 20
@@ -158,12 +159,13 @@ def _attend_visible(q, q_pos, first_pos, k_cache_ptr, v_cache_ptr, start, end, s
 
 
 @triton.jit
-def _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr, BLOCK_Q: tl.constexpr,
+def _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr, max_q_len, BLOCK_Q: tl.constexpr,
                   TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr, TILE_STRIDE: tl.constexpr):
     """(sequence, query tile, first query token, query length, idle) of this
     program; an idle program has no rows (past its query, a padding entry of
-    the tile table, or a one-query row left to the decode kernel). Untiled,
-    axis 1 counts query tiles times TILE_STRIDE (the reduce's tokens a tile)."""
+    the tile table, a one-query row left to the decode kernel, or a query
+    longer than `max_q_len`, left to the TMA kernel). Untiled, axis 1 counts
+    query tiles times TILE_STRIDE (the reduce's tokens a tile)."""
     if TILED:
         seq = tl.load(tile_seq_ptr + tl.program_id(0))
         q_tile = tl.load(tile_q_ptr + tl.program_id(0))
@@ -174,7 +176,7 @@ def _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr, BLOCK_Q: tl.con
     seq = tl.maximum(seq, 0)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    idle = padding | (q_tile * BLOCK_Q >= q_len)
+    idle = padding | (q_tile * BLOCK_Q >= q_len) | (q_len > max_q_len)
     if SKIP_SINGLE:  # one-query rows go to the decode kernel (`decode_attention(single_only=True)`)
         idle = idle | (q_len == 1)
     return seq, q_tile, q_start, q_len, idle
@@ -193,20 +195,20 @@ def _tile_rows(q_tile, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
 # The block table's row stride changes with every batch's widest table, the split count
 # with every eager batch: neither is specialised, so a served run never stops to compile a
 # new variant (kernels/warmup.py compiles the rest at start-up).
-@triton.jit(do_not_specialize=["stride_table", "num_splits"])
+@triton.jit(do_not_specialize=["stride_table", "num_splits", "max_q_len"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head, tile_seq_ptr, tile_q_ptr,
-    part_out_ptr, part_lse_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, num_splits, max_q_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
     DIRECT: tl.constexpr, UNMASKED_BEFORE: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-    seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
+    seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr, max_q_len,
                                                       BLOCK_Q, TILED, SKIP_SINGLE, 1)
     if idle:
         return
@@ -239,10 +241,10 @@ def _prefill_kernel(
                 split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "max_q_len"])
 def _prefill_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
-    stride_ot, stride_oh, num_splits,
+    stride_ot, stride_oh, num_splits, max_q_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
     SPLITS_POW2: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
 ):
@@ -251,7 +253,7 @@ def _prefill_reduce_kernel(
     axis, so it skips the same programs. One token a program, every split
     loaded at once: a program per tile looping over the splits took 19 us a
     layer on an H200 (one 16-token chunk, 16 splits), a chain of dependent loads."""
-    seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
+    seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr, max_q_len,
                                                       BLOCK_Q, TILED, SKIP_SINGLE, BLOCK_Q)
     tok = q_tile * BLOCK_Q + tl.program_id(1) % BLOCK_Q
     if idle | (tok >= q_len):
@@ -271,11 +273,14 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
                       window: int | None, sink: int,
                       config: PrefillConfig = PrefillConfig(),
                       tiles: PrefillTiles | None = None,
-                      single_queries: bool = True, max_seq_len: int | None = None) -> torch.Tensor:
+                      single_queries: bool = True, max_seq_len: int | None = None,
+                      only_up_to: int = MAX_INT32) -> torch.Tensor:
     """q/out: [T, H, D]; the cache already holds this step's K/V. With
     `tiles`, the grid is the tile table's length, whatever the batch.
     `single_queries=False` leaves the sequences with one query alone (their
-    output rows unwritten), for the decode kernel to attend. `max_seq_len`
+    output rows unwritten), for the decode kernel to attend; `only_up_to`
+    likewise the sequences with a longer query (the TMA kernel's), and
+    `max_query_len` may then be the longest query it computes. `max_seq_len`
     (the longest context, or a bound) lets small steps split their keys;
     without it they run unsplit."""
     num_heads, head_dim = q.shape[1:]
@@ -301,7 +306,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         scale * LOG2E, window or 0, sink,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), tile_seq, tile_q,
-        part_out, part_lse, num_splits,
+        part_out, part_lse, num_splits, only_up_to,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
         DOT_PRECISION=dot_precision(kv_cache.dtype), TILED=tiles is not None,
@@ -310,7 +315,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
     if not direct:
         _prefill_reduce_kernel[(grid[0], grid[1] * block_q, num_kv_heads)](
             part_out, part_lse, out, query_start_loc, tile_seq, tile_q,
-            out.stride(0), out.stride(1), num_splits,
+            out.stride(0), out.stride(1), num_splits, only_up_to,
             NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q,
             SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)),
             TILED=tiles is not None, SKIP_SINGLE=not single_queries, num_warps=2)

@@ -101,10 +101,10 @@ def _attend_prefix(q, k_cache_ptr, v_cache_ptr, prefix, table_row, stride_cache_
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_table"])
+@triton.jit(do_not_specialize=["stride_table", "min_q_len"])
 def _prefill_tma_kernel(
     q_ptr, k_desc, v_desc, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr,
-    query_start_loc_ptr, seq_lens_ptr, qk_scale,
+    query_start_loc_ptr, seq_lens_ptr, qk_scale, min_q_len,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_cache_block, stride_cache_offset, stride_cache_head,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -119,7 +119,7 @@ def _prefill_tma_kernel(
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    idle = q_tile * BLOCK_Q >= q_len
+    idle = (q_tile * BLOCK_Q >= q_len) | (q_len < min_q_len)   # shorter queries: the paged kernel's
     if SKIP_SINGLE:  # one-query rows go to the decode kernel
         idle = idle | (q_len == 1)
     if idle:
@@ -158,11 +158,13 @@ def prefill_attention_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                           out: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                           seq_lens: torch.Tensor, max_query_len: int, scale: float,
                           config: TmaPrefillConfig = TmaPrefillConfig(),
-                          single_queries: bool = True, cached_prefixes: bool = True) -> torch.Tensor:
+                          single_queries: bool = True, cached_prefixes: bool = True,
+                          from_length: int = 0) -> torch.Tensor:
     """Full (causal) attention of every sequence's queries over its cached prefix and its
     own chunk. q/out: [T, H, D]; k/v: [T, KVH, D], this step's new keys and values (also
     in the cache by now, where later steps read them); lengths as `prefill_attention`'s.
-    `single_queries=False` leaves one-query sequences to the decode kernel.
+    `single_queries=False` leaves one-query sequences to the decode kernel, `from_length`
+    the sequences with a shorter query to the paged kernel.
     `cached_prefixes=False` promises that no sequence it computes has one: the kernel is
     then built without the prefix loop, whose 128-key gather tiles otherwise slow the
     chunk's own loop too (H200, fresh prompts: 1 x 8,192 1,148 against 1,182 us; a
@@ -177,7 +179,7 @@ def prefill_attention_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _prefill_tma_kernel[(triton.cdiv(max_query_len, block_q), num_kv_heads, seq_lens.shape[0])](
         q, k_desc, v_desc, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        scale * LOG2E, from_length, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=config.block_n, PREFIX_BLOCK_N=config.prefix_block_n,
