@@ -12,7 +12,9 @@ and round (the prefix cache emptied before each, so every run computes the same 
   default now: `TMA_SHORT_CHUNKS_PAGED_BELOW`).
 
 Per run: the wall time (the device sets it: ~8K-token eager steps) and, under torch's profiler
-in the last round, the attention kernels' device time. Rounds alternate the policies' order.
+after the rounds, the attention kernels' device time. Rounds alternate the policies' order. The
+engine runs without CUDA graphs (`enforce_eager`): the policies only touch steps past the
+largest mixed graph, and the start-up skips the captures.
 
     python3 benchmarks/burst_attention_ab.py --model-dir .dummy-qwen3-8b [--rounds 2]
 """
@@ -66,7 +68,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
     from kvserve import LLM, SamplingParams
-    llm = LLM(a.model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
+    llm = LLM(a.model_dir, load_format="dummy", dtype="bfloat16", enforce_eager=True, **ENGINE_ARGS)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     burst = [r.prompt for r in scenario_requests("mixed", SERVED, a.model_dir)[:BURST]]
     names = list(POLICIES)
