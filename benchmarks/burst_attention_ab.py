@@ -8,8 +8,8 @@ and round (the prefix cache emptied before each, so every run computes the same 
 - `tma-longest`: the TMA path for a step whose longest chunk has 2,048+ tokens, all its chunks
   in the TMA kernel (the rule until the split);
 - `tma-all`: the TMA path for every large step, whatever its chunks;
-- `split`: as `tma-longest`, but the step's chunks under 2,048 tokens in the paged kernel (the
-  default now: `TMA_SHORT_CHUNKS_PAGED_BELOW`).
+- `split`: as `tma-longest`, but the step's chunks under 2,048 tokens in the paged kernel
+  (`TMA_SHORT_CHUNKS_PAGED_BELOW`; off by default until measured).
 
 Per run: the wall time (the device sets it: ~8K-token eager steps) and, under torch's profiler
 after the rounds, the attention kernels' device time. Rounds alternate the policies' order. The
@@ -17,6 +17,7 @@ engine runs without CUDA graphs (`enforce_eager`): the policies only touch steps
 largest mixed graph, and the start-up skips the captures.
 
     python3 benchmarks/burst_attention_ab.py --model-dir .dummy-qwen3-8b [--rounds 2]
+    # --rounds 0: only the profiled attention time of each policy
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     burst = [r.prompt for r in scenario_requests("mixed", SERVED, a.model_dir)[:BURST]]
     names = list(POLICIES)
+    if a.rounds < 0:
+        p.error(f"--rounds must be >= 0, got {a.rounds}")
     for name in names:   # warm: each policy's kernels compiled and its shapes seen once
         set_policy(name)
         timed(llm, burst[:40], params)
@@ -86,7 +89,8 @@ def main() -> None:
         set_policy(name)
         attn = attention_ms(llm, burst, params)
         rounds = " ".join(f"{w:.3f}" for w in walls[name])
-        print(f"{name:>12} {rounds:>28} {statistics.median(walls[name]):8.3f} {attn:24.1f}")
+        median = statistics.median(walls[name]) if walls[name] else float("nan")
+        print(f"{name:>12} {rounds:>28} {median:8.3f} {attn:24.1f}")
 
 
 if __name__ == "__main__":
