@@ -57,6 +57,49 @@ def test_block_table_rows_gather_equals_padded_lists_through_growth_and_release(
                 assert got.tolist() == _brute([truth[r][group] for r in ids], width)
 
 
+def test_block_table_rows_gather_of_the_same_batch_follows_rows_changing_hands():
+    """The same batch gathered step after step (its rows are remembered)
+    while its requests are released and re-added and others take the freed
+    rows: every gather equals the brute-force padding."""
+    import random
+
+    from kvserve.cache.block_table_rows import BlockTableRows
+    rng, rows, truth = random.Random(1), BlockTableRows(num_groups=1, rows=2, width=2), {}
+    batch = [f"r{i}" for i in range(6)]
+    for step in range(300):
+        for _ in range(rng.randrange(1, 5)):  # a request may leave and come back between gathers
+            rid = f"r{rng.randrange(10)}"
+            if rng.random() < 0.3 and rid in truth:
+                rows.release(rid)
+                del truth[rid]
+            else:
+                new = [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 3))]
+                start = len(truth.setdefault(rid, [[]])[0])
+                if len(new) == 1:  # a decode step opening a block
+                    rows.append_one(rid, 0, start, new[0])
+                else:
+                    rows.append(rid, 0, start, new)
+                truth[rid][0].extend(new)
+        ids = [r for r in batch if r in truth]
+        if ids:
+            got = rows.gather(list(ids))[0]
+            assert got.tolist() == _brute([truth[r][0] for r in ids], max(1, max(len(truth[r][0]) for r in ids)))
+
+
+def test_block_table_rows_gather_after_a_batch_request_changed_rows():
+    """A request leaves, another takes its row, it comes back in a new one:
+    the same batch gathered again reads the new row."""
+    from kvserve.cache.block_table_rows import BlockTableRows
+    rows = BlockTableRows(num_groups=1, rows=4, width=2)
+    rows.append("a", 0, 0, [1])
+    rows.append("b", 0, 0, [2, 3])
+    assert rows.gather(["a", "b"])[0].tolist() == [[1, 0], [2, 3]]
+    rows.release("a")
+    rows.append("c", 0, 0, [9, 9])   # the row "a" left
+    rows.append("a", 0, 0, [4])
+    assert rows.gather(["a", "b"])[0].tolist() == [[4, 0], [2, 3]]
+
+
 class FakeEvent:
     """A CUDA event's record/synchronize, logged (the CPU ring's copies are synchronous)."""
     recorded = 0

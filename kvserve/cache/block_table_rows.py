@@ -6,13 +6,28 @@ B x W int32) instead of flattening Python lists: at 256 requests of 8K
 tokens (512 blocks each) the lists cost milliseconds of host time per step,
 the rows tens of microseconds. Entries past a row's length are the null
 block 0, so a gathered batch is already padded.
+
+Steady decode gathers the same batch step after step: its rows and widths
+are remembered (`_Batch`) while no row changes hands and no table grows past
+them, so such a gather is a list comparison and one copy per group.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvserve.cache.block_pool import NULL_BLOCK_ID
+
+
+class _Batch(NamedTuple):
+    """The last gathered batch: its request ids, the rows they had (valid while
+    `BlockTableRows._version` stays), and per group the batch's width."""
+    request_ids: list[str]
+    version: int
+    rows: np.ndarray
+    widths: list[int]
 
 
 class BlockTableRows:
@@ -22,6 +37,8 @@ class BlockTableRows:
         self._lengths = [np.zeros(rows, dtype=np.int64) for _ in range(num_groups)]
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
+        self._version = 0   # bumped whenever a request takes or releases a row
+        self._batch: _Batch | None = None
 
     def row(self, request_id: str) -> int:
         """The request's row, taken on first use."""
@@ -30,6 +47,7 @@ class BlockTableRows:
             if not self._free_rows:
                 self._grow_rows()
             row = self._row_of[request_id] = self._free_rows.pop()
+            self._version += 1
         return row
 
     def append(self, request_id: str, group: int, start: int, block_ids: list[int]) -> None:
@@ -39,6 +57,7 @@ class BlockTableRows:
             self._grow_width(group, end)
         self._tables[group][row, start:end] = block_ids
         self._lengths[group][row] = end
+        self._widened(group, end)
 
     def append_one(self, request_id: str, group: int, index: int, block_id: int) -> None:
         """`append(request_id, group, index, [block_id])` (a decode step opening
@@ -48,6 +67,12 @@ class BlockTableRows:
         row = self.row(request_id)
         self._tables[group][row, index] = block_id
         self._lengths[group][row] = index + 1
+        self._widened(group, index + 1)
+
+    def _widened(self, group: int, length: int) -> None:
+        """A row of the group is now `length` long: the last batch's width may be too small."""
+        if self._batch is not None and length > self._batch.widths[group]:
+            self._batch = None
 
     def set_null(self, request_id: str, group: int, index: int) -> None:
         self._tables[group][self._row_of[request_id], index] = NULL_BLOCK_ID
@@ -60,6 +85,7 @@ class BlockTableRows:
             table[row, :lengths[row]] = NULL_BLOCK_ID
             lengths[row] = 0
         self._free_rows.append(row)
+        self._version += 1
 
     def table(self, request_id: str, group: int) -> list[int]:
         """One row as a list (its length's entries; [] for an unknown request).
@@ -76,12 +102,15 @@ class BlockTableRows:
     def gather(self, request_ids: list[str]) -> list[torch.Tensor]:
         """Per group, the requests' tables as one [len(request_ids), W] int32
         tensor (a copy), W the longest of them (at least 1)."""
+        batch = self._batch
+        if batch is None or batch.version != self._version or request_ids != batch.request_ids:
+            batch = self._batch = self._new_batch(request_ids)
+        return [torch.from_numpy(table[batch.rows, :width]) for table, width in zip(self._tables, batch.widths)]
+
+    def _new_batch(self, request_ids: list[str]) -> _Batch:
         rows = np.fromiter(map(self._row_of.__getitem__, request_ids), dtype=np.int64, count=len(request_ids))
-        out = []
-        for table, lengths in zip(self._tables, self._lengths):
-            width = max(int(lengths[rows].max(initial=0)), 1)
-            out.append(torch.from_numpy(table[rows, :width]))
-        return out
+        widths = [max(int(lengths[rows].max(initial=0)), 1) for lengths in self._lengths]
+        return _Batch(list(request_ids), self._version, rows, widths)
 
     def _grow_rows(self) -> None:
         old = self._tables[0].shape[0]
