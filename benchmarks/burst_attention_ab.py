@@ -68,13 +68,13 @@ def main() -> None:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
+    if a.rounds < 0:
+        p.error(f"--rounds must be >= 0, got {a.rounds}")
     from kvserve import LLM, SamplingParams
     llm = LLM(a.model_dir, load_format="dummy", dtype="bfloat16", enforce_eager=True, **ENGINE_ARGS)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     burst = [r.prompt for r in scenario_requests("mixed", SERVED, a.model_dir)[:BURST]]
     names = list(POLICIES)
-    if a.rounds < 0:
-        p.error(f"--rounds must be >= 0, got {a.rounds}")
     for name in names:   # warm: each policy's kernels compiled and its shapes seen once
         set_policy(name)
         timed(llm, burst[:40], params)

@@ -79,7 +79,7 @@ def test_tokens_a_drain_read_go_out_before_the_long_launch(llama_dir):
     launch, not after it; every token still reaches the caller, and the outputs do not change."""
     reference, _ = _run(llama_dir, 16, {})
     events = []
-    outputs, launches = _run(llama_dir, 16, {}, events)
+    outputs, _ = _run(llama_dir, 16, {}, events)
     assert outputs == reference
     # the long launches with a step in flight before them (the first, the short prompts', has none)
     long_launches = [i for i, (kind, tokens) in enumerate(events) if kind == "launch" and tokens > 16 and i > 0]
