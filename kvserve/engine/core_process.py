@@ -171,14 +171,15 @@ class EngineCore:
 
     def _traced_step(self) -> None:
         start = now()
-        touched = self.engine.step(emit=self._emit)
+        touched = self.engine.step(emit=self._send_tokens)
         stepped = now()
-        self._send(self._outputs(touched))
+        self._send_tokens(touched)
         if self._trace is not None:
             self._trace.record(start, stepped - start, self.engine.last_wait_s, now() - stepped, self.engine)
 
-    def _emit(self, touched: list) -> None:
-        """Tokens the engine read before a long launch: out now, not after it."""
+    def _send_tokens(self, touched: list) -> None:
+        """The new tokens of `touched` as one message: after each step, and from inside a
+        step for the tokens it read before a long launch (out now, not after it)."""
         self._send(self._outputs(touched))
 
     def _send(self, message: CoreOutputs) -> None:
