@@ -86,6 +86,23 @@ class Request:
     # tokens), "preempted" (tokens computed and lost). Arrival, first token and
     # finish are the timestamps above; `timeline()` merges them.
     events: list[tuple[float, str, int]] = field(default_factory=list)
+    # What ends the request token by token, set by the engine on arrival
+    # (`set_token_checks`), so its per-token loop tests one set and one length:
+    # sampling any of `stop_ids` or reaching `max_output` output tokens may end
+    # it; `checks_each_token` (logprobs or stop strings) sends every token to the
+    # full check. The defaults send every token there.
+    stop_ids: frozenset[int] = frozenset()
+    max_output: int = 0
+    checks_each_token: bool = True
+
+    def set_token_checks(self, max_model_len: int) -> None:
+        """`stop_ids`, `max_output` and `checks_each_token` from the sampling
+        parameters and the model's length limit."""
+        params = self.sampling_params
+        eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        self.stop_ids = eos | frozenset(params.stop_token_ids or ())
+        self.max_output = min(params.max_tokens, max_model_len - len(self.prompt_token_ids))
+        self.checks_each_token = params.logprobs is not None or bool(params.stop_strings)
 
     # -- timeline (read by RequestOutput.metrics and kvserve.diagnose) --------
     def record_event(self, event: str, tokens: int = 0) -> None:

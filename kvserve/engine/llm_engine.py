@@ -68,6 +68,7 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.set_token_checks(self.scheduler_config.max_model_len)
         self.runner.sampler.track(request)
         self.prompt_logprobs.track(request)
         self.recorder.on_arrival(request)
@@ -227,43 +228,54 @@ class LLMEngine:
         self.scheduler.costs.observe(self.stats.prefill_tokens_per_s(), transfer.measured_bytes_per_s())
 
     def _process(self, result: StepResult) -> list[Request]:
+        """Append each row's sampled token to its request; finish those it
+        ends. Hot: once per running request per step, so a token that can end
+        nothing (`Request.set_token_checks`) costs an append and two tests."""
         now = time.monotonic()
-        touched = []
-        sampled, take = result.sampled, self._take_token
-        for i, item in enumerate(result.rows):  # hot: once per running request per step
+        touched, skipped = [], 0
+        sampled = result.sampled
+        token_ids = sampled.token_ids
+        for i, item in enumerate(result.rows):
             request = item.request
             if request.status in FINISHED_STATUSES:  # stopped or aborted while this step was in flight
+                skipped += 1
                 continue
             request.num_pending_tokens -= 1
-            try:
-                status = take(request, sampled, i, now)
-            except Exception as e:  # e.g. detokenizing: this request's error alone
-                logger.error("request %s failed: %s", request.request_id, e, exc_info=e)
-                if self.fail_request(request):
-                    touched.append(request)
-                continue
-            if status is not None:
-                self.scheduler.remove_finished(request, status)
-                self.stats.record_finished(request)
-                self.recorder.on_finished(request)
-                self._forget(request)
+            output = request.output_token_ids
+            token = token_ids[i]
+            output.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.checks_each_token or token in request.stop_ids or len(output) >= request.max_output:
+                if not self._check_token(request, sampled, i):
+                    continue  # failed, not touched: `fail_request` sent its output
             touched.append(request)
+        self.stats.num_generation_tokens += len(result.rows) - skipped
         return touched
 
-    def _take_token(self, request: Request, sampled: SamplerOutput, i: int, now: float) -> RequestStatus | None:
-        """Append row i's sampled token to `request`; its finish status, None
-        while it goes on. One call per row: appending and the stop checks are
-        inlined (hot), in the order stop reasons take precedence."""
-        token = sampled.token_ids[i]
-        output = request.output_token_ids
-        output.append(token)
-        params = request.sampling_params
+    def _check_token(self, request: Request, sampled: SamplerOutput, i: int) -> bool:
+        """Row i's token may end `request` (`_finish_status`): finish it then.
+        False when the check raised and failing the request sent no output."""
+        try:
+            status = self._finish_status(request, sampled, i)
+        except Exception as e:  # e.g. detokenizing: this request's error alone
+            logger.error("request %s failed: %s", request.request_id, e, exc_info=e)
+            return self.fail_request(request)
+        if status is not None:
+            self.scheduler.remove_finished(request, status)
+            self.stats.record_finished(request)
+            self.recorder.on_finished(request)
+            self._forget(request)
+        return True
+
+    def _finish_status(self, request: Request, sampled: SamplerOutput, i: int) -> RequestStatus | None:
+        """Row i's token, already appended: record its logprobs; the request's
+        finish status, None while it goes on, in the order stop reasons take
+        precedence."""
+        token, params = request.output_token_ids[-1], request.sampling_params
         if params.logprobs is not None:
             request.cumulative_logprob += sampled.sampled_logprobs[i]
             request.logprobs.append(sampled.logprobs[i])
-        if request.first_token_time is None:
-            request.first_token_time = now
-        self.stats.num_generation_tokens += 1
         if not params.ignore_eos and token in request.eos_token_ids:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
@@ -272,7 +284,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if params.stop_strings and self._hit_stop_string(request):
             return RequestStatus.FINISHED_STOPPED
-        num_output = len(output)  # not the properties: once per token (hot)
+        num_output = len(request.output_token_ids)
         if (num_output >= params.max_tokens
                 or len(request.prompt_token_ids) + num_output >= self.scheduler_config.max_model_len):
             return RequestStatus.FINISHED_LENGTH
