@@ -12,6 +12,12 @@ per-step ratios.
 
     python benchmarks/host_step_ab.py --base 96714f4 --running 256 --steps 60 [host_step_bench.py flags]
 
+The GPU machine's copy of the tree has no current git history: there, pass the
+base's package as a tar made here (`git archive 96714f4 kvserve > .base.tar`,
+carried) with `--base-archive .base.tar`. On CUDA the stub forward needs
+`--dtype float32` (its zeros are float32) and both engines need room:
+`--num-kv-blocks 24000` instead of a share of the GPU each.
+
 `--stub-forward` is on unless `--real-forward` is given (CPU: the host parts
 do not depend on the layers). Parts as in host_step_bench.py.
 """
@@ -32,9 +38,13 @@ PARTS = ("schedule", "bookkeeping", "metrics", "input_prep", "host_total", "core
 _PACKAGE = re.compile(r"\bkvserve\b(?!_base)")
 
 
-def export_base(rev: str, dest: Path) -> Path:
-    """`rev`'s package as dest/kvserve_base, and this bench's code importing it."""
-    archive = subprocess.run(["git", "archive", rev, "kvserve"], cwd=ROOT, capture_output=True, check=True).stdout
+def export_base(rev: str, dest: Path, archive_path: str | None = None) -> Path:
+    """`rev`'s package (or the tar of it at `archive_path`) as
+    dest/kvserve_base, and this bench's code importing it."""
+    if archive_path is not None:
+        archive = Path(archive_path).read_bytes()
+    else:
+        archive = subprocess.run(["git", "archive", rev, "kvserve"], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     (dest / "kvserve").rename(dest / "kvserve_base")
     for path in (dest / "kvserve_base").rglob("*.py"):
@@ -86,6 +96,7 @@ def compare(base: Side, new: Side, steps: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--base", required=True, help="the commit to compare the working tree against")
+    parser.add_argument("--base-archive", help="`git archive BASE kvserve` output, for a tree without that commit")
     parser.add_argument("--real-forward", action="store_true")
     known, rest = parser.parse_known_args(argv)
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     a.stub_forward = a.stub_forward or not known.real_forward
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
-        base_bench = load(export_base(known.base, Path(tmp)), "host_step_bench_base")
+        base_bench = load(export_base(known.base, Path(tmp), known.base_archive), "host_step_bench_base")
         for n in (int(x) for x in a.running.split(",")):
             print(f"running={n} steps={a.steps} base={known.base} new=working tree (medians; ratio: median "
                   f"of per-step new/base)")
