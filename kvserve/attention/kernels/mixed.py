@@ -38,8 +38,9 @@ TMA_MIN_FRESH_SHARE = 1 / 3
 # 252 us; 2 x 4,096 629 against 766).
 TMA_MIN_LONGEST_CHUNK = 2048
 # In a step that takes the TMA path, prompt chunks shorter than this go to the paged
-# kernel's large tiles in a second launch (0: all to the TMA kernel). Off until measured
-# and tested on a GPU (`benchmarks/burst_attention_ab.py`, the "split" policy, sets 2,048).
+# kernel's large tiles in a second launch (0: all to the TMA kernel). Off: over the served
+# mixed burst's prompts it spent 581 ms in attention against 546 with all chunks in the TMA
+# kernel (H200, eb946d1; `benchmarks/burst_attention_ab.py`, whose "split" policy sets 2,048).
 TMA_SHORT_CHUNKS_PAGED_BELOW = 0
 
 
