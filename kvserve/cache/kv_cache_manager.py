@@ -309,20 +309,26 @@ class KVCacheManager:
 
         Every running request comes here every step, so a row whose end stays
         inside its room (`_set_room`) is moved right here, with no call: the
-        end and the fill total, as `_move_within_tail` does (hot path)."""
+        end and the fill total, as `_move_within_tail` does (hot path). A row
+        that fills its tail leaves the room here too, and one that opens the
+        next block goes straight to `_open_next_block`: at 256 running requests
+        and 16-token blocks, 32 rows a step."""
         room_of, ends, moved = self._room.get, self._num_tokens, 0
         for i in range(first, len(rows)):
             request, num_new, _ = rows[i]
             request_id = request.request_id
             room = room_of(request_id)
             total = request.num_computed_tokens + num_new
-            # The last slot fills the tail (then the call caches it); a negative count raises there.
-            if room is not None and room[0] <= total < room[1] and num_new >= 0:
+            if room is not None and room[0] <= total <= room[1] and num_new >= 0:  # a negative count raises below
                 moved += (total - ends[request_id]) * len(room[2])
                 ends[request_id] = total
+                if total == room[1]:  # the tail is full: the next token opens a block
+                    self._leave_room(request_id)
                 continue
             self._held.fill.used_slots += moved
             moved = 0
+            if room is None and num_new > 0 and self._open_next_block(request, num_new, 0):
+                continue
             if not self.allocate_slots(request, num_new):
                 return i
         self._held.fill.used_slots += moved
@@ -392,10 +398,15 @@ class KVCacheManager:
         if moved:
             self._held.fill.used_slots += moved * len(tails)
             self._num_tokens[request_id] = total
-        if total == last:  # the tail is full: the next token needs a new block (cached later: `_offer_deferred`)
-            self._sync_tails(request_id)
-            del self._room[request_id]
+        if total == last:
+            self._leave_room(request_id)
         return True
+
+    def _leave_room(self, request_id: str) -> None:
+        """The request's tail is full: the next token needs a new block (the
+        full one is cached later: `_offer_deferred`)."""
+        self._sync_tails(request_id)
+        del self._room[request_id]
 
     def _open_next_block(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
         """The general path's work, done directly, for the one token that opens
