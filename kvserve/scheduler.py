@@ -46,6 +46,16 @@ each other, so under this policy an admission must also leave one free block
 per running request (each may cross a block boundary before the next
 admission).
 
+Steady decode: a step whose rows are every running request, each computing
+its one last token with its previous token still on the device, leaves a
+`DecodeStreak`. If the launch advanced it (`update_after_step`) and the next
+step finds the same running requests in the same order, their state moved
+only as a decode step moves it (computed +1, one token pending, the one before
+it taken), so their rows are the streak's starts plus one, built without
+reading a request. Anything else that changes a running request (finish,
+abort, preemption, admission, a failed launch) changes the running list or
+skips the advance, and the rows are read request by request again.
+
 Prompt logprobs: a prefix hit skips computing its positions, and with them
 their logprobs, so a request asking for prompt logprobs takes a hit only over
 positions whose logprobs it already has (re-admitted after a preemption, say);
@@ -58,6 +68,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat as _repeat
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
@@ -102,6 +113,25 @@ class DecodeBatch:
     @property
     def num_rows(self) -> int:
         return len(self.starts)
+
+
+@dataclass
+class DecodeStreak:
+    """The last steady decode step (module doc): its running requests, their
+    starts, and the fewest tokens any of them could still be given then."""
+
+    requests: list[Request]
+    starts: np.ndarray
+    min_left: int
+    advanced: bool = False   # its launch ran `update_after_step` (the streak is always the last schedule's)
+
+    def next_rows(self, running: list[Request], budget: int) -> list[ScheduledRequest] | None:
+        """The rows of the step after it, each request's start one further, or
+        None unless the streak holds: advanced, the same requests (identity, in
+        order), all still able to grow and within the budget."""
+        if not self.advanced or self.min_left <= 1 or len(running) > budget or running != self.requests:
+            return None
+        return list(map(_tuple_new, _repeat(ScheduledRequest), zip(running, _repeat(1), (self.starts + 1).tolist())))
 
 
 @dataclass
@@ -176,6 +206,8 @@ class Scheduler:
         # First-block hashes of running requests past their prompt ("prefix"
         # policy), computed at most once per step.
         self._prefilled_prefixes: set[bytes] | None = None
+        self._streak: DecodeStreak | None = None   # the last step's, while it was steady decode
+        self._min_left = 0   # the rows' fewest tokens left to give (`_running_rows`)
 
     # -- queue management ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -215,7 +247,16 @@ class Scheduler:
             out.kv_prefetch = self.kv_cache.take_pending_copies()
         else:
             out.kv_copies = self.kv_cache.take_pending_copies()
+        self._streak = self._new_streak(out)
         return out
+
+    def _new_streak(self, out: SchedulerOutput) -> DecodeStreak | None:
+        """The step's streak when it is decode of every running request (steady
+        only once `update_after_step` finds its tokens on the device: `advanced`)."""
+        decode = out.decode
+        if decode is None or out.preempted or len(out.scheduled) != len(self.running):
+            return None
+        return DecodeStreak(list(self.running), decode.starts, self._min_left)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests in order, each up to its known tokens, their KV
@@ -240,12 +281,21 @@ class Scheduler:
         rows: list[ScheduledRequest] = []
         if budget <= 0:
             return rows, budget, (0, 0)
+        streak = self._streak
+        fast = streak.next_rows(self.running, budget) if streak is not None else None
+        if fast is not None:
+            self._min_left = streak.min_left - 1
+            return fast, budget - len(fast), (len(fast), len(fast))
         multi = known = None
         append = rows.append
+        min_left = 1 << 62
         for request in self.running:  # hot loop: Request's properties inlined
             num_output, pending = len(request.output_token_ids), request.num_pending_tokens
-            if num_output + pending >= request.sampling_params.max_tokens:  # not can_grow: its last token is in flight
+            left = request.sampling_params.max_tokens - num_output - pending
+            if left <= 0:  # not can_grow: its last token is in flight
                 continue
+            if left < min_left:
+                min_left = left
             start = request.num_computed_tokens
             num_left = len(request.prompt_token_ids) + num_output + pending - start
             if num_left != 1 and multi is None:
@@ -259,6 +309,7 @@ class Scheduler:
             append(_tuple_new(ScheduledRequest, (request, num_left, start)))
             budget -= num_left
         end = len(rows)
+        self._min_left = min_left
         return rows, budget, (end if multi is None else multi, end if known is None else known)
 
     def _allocate_running(self, rows: list[ScheduledRequest], out: SchedulerOutput) -> list[ScheduledRequest]:
@@ -428,6 +479,8 @@ class Scheduler:
             for request, num_new, start in rows:
                 request.num_computed_tokens = start + num_new
                 request.num_pending_tokens += 1
+            if self._streak is not None:
+                self._streak.advanced = True
             return
         for request, num_new, start in rows:
             request.num_computed_tokens = start + num_new

@@ -78,3 +78,83 @@ def test_the_per_token_fast_test_passes_every_token_that_ends_a_request():
         assert request.checks_each_token or (params.logprobs is None and not params.stop_strings)
         finished += status is not None
     assert 300 < finished < 2700   # both outcomes were drawn often
+
+
+def _shadowed_running_rows(scheduler, counts: dict):
+    """`Scheduler._running_rows` that also reads every row request by request
+    (the streak set aside) and checks both give the same step."""
+    from kvserve.scheduler import Scheduler
+    original = Scheduler._running_rows
+
+    def running_rows(budget):
+        streak = scheduler._streak
+        fast = streak is not None and streak.next_rows(scheduler.running, budget) is not None
+        result, min_left = original(scheduler, budget), scheduler._min_left
+        if fast:
+            scheduler._streak = None
+            rows, left, marks = original(scheduler, budget)
+            scheduler._streak = streak
+            assert [tuple(r) for r in result[0]] == [tuple(r) for r in rows]
+            assert (result[1], result[2], min_left) == (left, marks, scheduler._min_left)
+            scheduler._min_left = min_left
+        counts["fast" if fast else "read"] += 1
+        return result
+    return running_rows
+
+
+def test_rows_from_the_decode_streak_equal_rows_read_request_by_request():
+    """An engine on a random mix (arrivals, output limits, stop tokens, aborts,
+    preemption for lack of blocks, launches that fail) with the scheduler's steady-decode rows
+    (`DecodeStreak`) checked at every step against the request-by-request
+    reading; both paths are taken many times, and every request ends."""
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.runner.sampler import RequestFailed
+    llm = LLM("dummy:tiny-llama", load_format="dummy", device="cpu", dtype="float32", block_size=4,
+              max_model_len=96, num_kv_blocks=32, max_num_seqs=8, max_num_batched_tokens=64)
+    engine, rng, counts = llm.engine, random.Random(3), {"fast": 0, "read": 0}
+    engine.scheduler._running_rows = _shadowed_running_rows(engine.scheduler, counts)
+    launch = engine.runner.launch
+
+    def flaky_launch(*args, **kwargs):   # a launch that fails naming no request: nobody leaves, nothing advances
+        if rng.random() < 0.03:
+            raise RequestFailed([], RuntimeError("injected"))
+        return launch(*args, **kwargs)
+    engine.runner.launch = flaky_launch
+    requests = []
+    for step in range(400):
+        if rng.random() < 0.25 and len(requests) < 60:
+            params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True,
+                                    stop_token_ids=[rng.randrange(3, 256)] if rng.random() < 0.3 else None)
+            requests.append(engine.make_request([rng.randrange(3, 256) for _ in range(rng.randint(1, 30))], params))
+            engine.add_request(requests[-1])
+        if rng.random() < 0.03 and engine.scheduler.running:
+            engine.abort_request(rng.choice(engine.scheduler.running).request_id)
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert counts["fast"] > 50 and counts["read"] > 50, counts
+    assert engine.scheduler.num_preemptions > 0, engine.scheduler.num_preemptions
+    assert all(r.is_finished for r in requests)
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_usable_blocks   # nothing leaked
+
+
+def test_a_decode_streak_gives_rows_only_while_it_holds():
+    """`DecodeStreak.next_rows`: the next rows (starts + 1) for the same
+    requests in the same order once advanced; None when the launch did not
+    advance it, a request was replaced (same count), one's last token is in
+    flight (fewest tokens left 1) or the budget is short."""
+    import numpy as np
+
+    from kvserve.scheduler import DecodeStreak
+    a, b, c = (Request(name, [1, 2], SamplingParams(max_tokens=9)) for name in "abc")
+
+    def streak(**changes):
+        fields = dict(requests=[a, b], starts=np.array([5, 8]), min_left=3, advanced=True)
+        return DecodeStreak(**{**fields, **changes})
+    assert [tuple(r) for r in streak().next_rows([a, b], 2)] == [(a, 1, 6), (b, 1, 9)]
+    assert streak(advanced=False).next_rows([a, b], 2) is None
+    assert streak().next_rows([a, c], 2) is None
+    assert streak().next_rows([b, a], 2) is None
+    assert streak(min_left=1).next_rows([a, b], 2) is None
+    assert streak(min_left=2).next_rows([a, b], 2) is not None
+    assert streak().next_rows([a, b], 1) is None
