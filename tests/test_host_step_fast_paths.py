@@ -121,7 +121,7 @@ def test_rows_from_the_decode_streak_equal_rows_read_request_by_request():
         return launch(*args, **kwargs)
     engine.runner.launch = flaky_launch
     requests = []
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.25 and len(requests) < 60:
             params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True,
                                     stop_token_ids=[rng.randrange(3, 256)] if rng.random() < 0.3 else None)
