@@ -49,10 +49,10 @@ admission).
 Steady decode: a step whose rows are every running request, each computing
 its one last token with its previous token still on the device, leaves a
 `DecodeStreak`. If the launch advanced it (`update_after_step`) and the next
-step finds the same running requests in the same order, their state moved
-only as a decode step moves it (computed +1, one token pending, the one before
-it taken), so their rows are the streak's starts plus one, built without
-reading a request. Anything else that changes a running request (finish,
+step finds the same running requests in the same order, each still with a
+token on the device, their state moved only as a decode step moves it
+(computed +1, one more token sampled), so their rows are the streak's starts
+plus one, built without reading a request's other fields. Anything else that changes a running request (finish,
 abort, preemption, admission, a failed launch) changes the running list or
 skips the advance, and the rows are read request by request again.
 
@@ -128,8 +128,12 @@ class DecodeStreak:
     def next_rows(self, running: list[Request], budget: int) -> list[ScheduledRequest] | None:
         """The rows of the step after it, each request's start one further, or
         None unless the streak holds: advanced, the same requests (identity, in
-        order), all still able to grow and within the budget."""
+        order), all still able to grow and within the budget, each with a token
+        still on the device (a caller may resolve a step before the next one
+        is launched: its tokens are then on the host)."""
         if not self.advanced or self.min_left <= 1 or len(running) > budget or running != self.requests:
+            return None
+        if not all(map(_pending_of, running)):
             return None
         return list(map(_tuple_new, _repeat(ScheduledRequest), zip(running, _repeat(1), (self.starts + 1).tolist())))
 
@@ -524,4 +528,5 @@ _tuple_new = tuple.__new__
 # A row's fields, for C-level passes over a step's rows (`map`: no Python frame per row).
 row_request_id = attrgetter("request.request_id")
 _num_new_of = itemgetter(1)
+_pending_of = attrgetter("num_pending_tokens")
 _start_of = itemgetter(2)

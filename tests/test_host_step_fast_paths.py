@@ -142,11 +142,12 @@ def test_a_decode_streak_gives_rows_only_while_it_holds():
     """`DecodeStreak.next_rows`: the next rows (starts + 1) for the same
     requests in the same order once advanced; None when the launch did not
     advance it, a request was replaced (same count), one's last token is in
-    flight (fewest tokens left 1) or the budget is short."""
+    flight (fewest tokens left 1), the budget is short or a request's token
+    is on the host already."""
     import numpy as np
 
     from kvserve.scheduler import DecodeStreak
-    a, b, c = (Request(name, [1, 2], SamplingParams(max_tokens=9)) for name in "abc")
+    a, b, c = (Request(name, [1, 2], SamplingParams(max_tokens=9), num_pending_tokens=1) for name in "abc")
 
     def streak(**changes):
         fields = dict(requests=[a, b], starts=np.array([5, 8]), min_left=3, advanced=True)
@@ -158,3 +159,5 @@ def test_a_decode_streak_gives_rows_only_while_it_holds():
     assert streak(min_left=1).next_rows([a, b], 2) is None
     assert streak(min_left=2).next_rows([a, b], 2) is not None
     assert streak().next_rows([a, b], 1) is None
+    b.num_pending_tokens = 0   # its step was resolved before the next launch: its token is on the host
+    assert streak().next_rows([a, b], 2) is None
