@@ -64,13 +64,10 @@ class BlockTableRows:
         a block: an item store, 3x cheaper than a slice)."""
         if index >= self._widths[group]:
             self._grow_width(group, index + 1)
-        row = self._row_of.get(request_id)
-        if row is None:
-            row = self.row(request_id)
+        row = self.row(request_id)
         self._tables[group][row, index] = block_id
         self._lengths[group][row] = index + 1
-        if self._batch is not None and index >= self._batch.widths[group]:  # `_widened`, inlined
-            self._batch = None
+        self._widened(group, index + 1)
 
     def _widened(self, group: int, length: int) -> None:
         """A row of the group is now `length` long: the last batch's width may be too small."""
