@@ -52,9 +52,10 @@ its one last token with its previous token still on the device, leaves a
 step finds the same running requests in the same order, each still with a
 token on the device, their state moved only as a decode step moves it
 (computed +1, one more token sampled), so their rows are the streak's starts
-plus one, built without reading a request's other fields. Anything else that changes a running request (finish,
-abort, preemption, admission, a failed launch) changes the running list or
-skips the advance, and the rows are read request by request again.
+plus one, built without reading a request's other fields. Anything else that
+changes a running request (finish, abort, preemption, admission, a failed
+launch) changes the running list or skips the advance, and the rows are read
+request by request again.
 
 Prompt logprobs: a prefix hit skips computing its positions, and with them
 their logprobs, so a request asking for prompt logprobs takes a hit only over
