@@ -17,9 +17,13 @@ the relative error against a float32 SDPA. Then chunks after a cached prefix (pa
 against the TMA path; no reference there: tests/test_triton_kernels.py checks it), a ragged
 step of the served mixed burst's prompt lengths, and one with some cached prefixes (TMA prefix
 tiles of 64 and 128 keys); with --cudnn-ragged also cuDNN's log-sum-exp against float32 and
-its first call at new shapes against its warm time.
+its first call at new shapes against its warm time. With --cudnn-rows only the ragged step as
+one dense cuDNN SDPA call per row (KV heads native through `enable_gqa` or expanded, each row's
+exact length or padded to a multiple of 128), against the TMA path: the whole step's time with
+the padding and expansion copies, the first call at new lengths (cuDNN builds a plan per
+shape), and cuDNN's dense log-sum-exp against float32.
 
-    python3 benchmarks/prefill_headroom.py [--quick] [--cudnn-ragged]
+    python3 benchmarks/prefill_headroom.py [--quick] [--cudnn-ragged] [--cudnn-rows]
     # --quick: no contiguous-kernel variants; --cudnn-ragged: cuDNN's ragged rows (on torch 2.11
     # each call took 44-75 ms, first or warm: it builds its plan every time)
 """
@@ -47,6 +51,7 @@ SHAPES = [(1, 8192), (2, 4096), (8, 1024)]
 PREFIX_SHAPES = [(1, 4096, 4096), (2, 2048, 2000), (4, 512, 1504), (3, 1000, 7000)]
 LOG2E = 1.4426950408889634
 CUDNN_RAGGED = "--cudnn-ragged" in sys.argv
+CUDNN_ROWS = "--cudnn-rows" in sys.argv
 # The contiguous kernel's variants: (GQA-packed rows, query tokens, keys a tile, warps, stages).
 TMA_VARIANTS = [(False, 128, 64, 4, 3), (False, 128, 128, 8, 3), (False, 128, 64, 8, 3), (False, 128, 128, 8, 2),
                 (True, 32, 64, 4, 3), (True, 32, 128, 8, 3), (True, 64, 64, 8, 3), (True, 64, 128, 8, 2),
@@ -329,8 +334,102 @@ def ragged_cache(k, v, lengths):
     return cache, table
 
 
+def _row_views(t: torch.Tensor, a: int, b: int, heads: int) -> torch.Tensor:
+    """Tokens a..b of a packed [T, heads, D] tensor as SDPA's [1, heads, n, D] (a strided view)."""
+    return t[a:b].view(1, b - a, heads, HEAD_DIM).transpose(1, 2)
+
+
+def cudnn_row(q, k, v, out, a, b, gqa: bool, bucket: int):
+    """Causal attention of tokens a..b, one dense cuDNN call: KV heads native (`enable_gqa`) or
+    expanded; with `bucket`, padded to a multiple of it (padded keys sit after every real query,
+    so causality hides them; padded queries are dropped)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    n, first = b - a, a
+    if bucket:
+        m = -(-n // bucket) * bucket
+        qs, ks, vs = (F.pad(t[a:b], (0, 0, 0, 0, 0, m - n)) for t in (q, k, v))
+        a, b = 0, m
+    else:
+        qs, ks, vs = q, k, v
+    qv = _row_views(qs, a, b, HEADS)
+    if gqa:
+        kv, vv = _row_views(ks, a, b, KV_HEADS), _row_views(vs, a, b, KV_HEADS)
+    else:
+        kv, vv = (t[a:b].repeat_interleave(GROUP, 1).view(1, b - a, HEADS, HEAD_DIM).transpose(1, 2) for t in (ks, vs))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(qv, kv, vv, is_causal=True, enable_gqa=gqa)
+    out[first:first + n] = o.transpose(1, 2)[0, :n]
+
+
+def cudnn_rows() -> None:
+    """The ragged step as dense cuDNN calls, one a row, against the TMA path."""
+    torch.manual_seed(0)
+    total = sum(RAGGED)
+    q = torch.randn(total, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    bounds = list(itertools.pairwise([0] + list(itertools.accumulate(RAGGED))))
+    starts = torch.tensor([0] + list(itertools.accumulate(RAGGED)), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(RAGGED, dtype=torch.int32, device="cuda")
+    ref = torch.cat([reference(q[a:b], k[a:b], v[a:b], 1, b - a).transpose(1, 2).reshape(b - a, HEADS, HEAD_DIM)
+                     for a, b in bounds])
+    cache, table = ragged_cache(k, v, RAGGED)
+    out = torch.empty_like(q)
+    flops = sum(4 * HEADS * HEAD_DIM * n * (n + 1) // 2 for n in RAGGED)
+    runs = [("tma path", lambda: mixed_attention(q, cache, out, table, starts, lens, max(RAGGED), max(RAGGED),
+                                                 HEAD_DIM ** -0.5, None, 0, fresh_kv=(k, v), cached_prefixes=False))]
+    for gqa, bucket in ((True, 0), (False, 0), (True, 128), (False, 128)):
+        def step(gqa=gqa, bucket=bucket):
+            for a, b in bounds:
+                cudnn_row(q, k, v, out, a, b, gqa, bucket)
+            return out
+        runs.append((f"cudnn rows {'gqa' if gqa else 'expanded'} {'bucket ' + str(bucket) if bucket else 'exact'}", step))
+    for name, fn in runs:
+        try:
+            err = ((fn().float() - ref).norm() / ref.norm()).item()
+            ms = do_bench(fn, warmup=10, rep=50)
+            print(f"rows {len(RAGGED)} seqs / {total} tokens {name:<28} {ms * 1e3:8.1f} us "
+                  f"{flops / ms / 1e9:6.1f} TFLOP/s  rel err {err:.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a path that fails here is a row
+            print(f"rows {name:<28} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for gqa, bucket in ((True, 0), (True, 128)):
+        for n in (1500, 1501, 2999, 3001, 777):   # lengths not seen above
+            try:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                cudnn_row(q, k, v, out, 0, n, gqa, bucket)
+                torch.cuda.synchronize()
+                first = (time.perf_counter() - t0) * 1e3
+                warm = do_bench(lambda: cudnn_row(q, k, v, out, 0, n, gqa, bucket), warmup=3, rep=10)
+                print(f"cudnn row new length {n} gqa={gqa} bucket={bucket}: first call {first:7.1f} ms, "
+                      f"warm {warm * 1e3:7.1f} us", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"cudnn row new length {n} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    dense_lse_check(q, k, v)
+
+
+def dense_lse_check(q, k, v) -> None:
+    """cuDNN's dense log-sum-exp (a merge with a cached prefix's part needs it) against float32."""
+    n = 1000
+    try:
+        qv, kv, vv = _row_views(q, 0, n, HEADS), *(_row_views(t, 0, n, KV_HEADS).repeat_interleave(GROUP, 1)
+                                                     for t in (k, v))
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qv, kv.contiguous(), vv.contiguous(), None, True,
+                                                                 0.0, True, False, scale=HEAD_DIM ** -0.5)
+        lse = res[1]
+        s = qv[0].float() @ kv[0].float().transpose(1, 2) * HEAD_DIM ** -0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        ref = torch.logsumexp(s, -1)
+        print(f"cudnn dense lse: shape {tuple(lse.shape)} dtype {lse.dtype}; max abs err "
+              f"{(lse.reshape(ref.shape).float() - ref).abs().max().item():.2e}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"cudnn dense lse failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
 def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}")
+    if CUDNN_ROWS:
+        cudnn_rows()
+        return
     quick = "--quick" in sys.argv
     for batch, seq in SHAPES:
         rows_for(batch, seq, quick)

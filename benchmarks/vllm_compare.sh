@@ -5,7 +5,8 @@
 # the tree. Cut the stream in three (`benchmarks/vllm_bundle_split.sh`): .vp1 and .vp2 fill a call
 # each, .vp2b (the last few MB) travels with the wheels (.vp3) and the model directory.
 #   stage 1  carry [".vp1"]:                          GPU tests of the engine, its graphs, the batch
-#                                                     tables and fused ops
+#                                                     tables and fused ops; with CUDNN_ROWS=1 the
+#                                                     prefill probe `prefill_headroom.py --cudnn-rows`
 #   stage 2  carry [".vp2"]:                          GPU tests of the attention kernels and their warm-up
 #   stage 3  carry [".vp3", ".vp2b", ".dummy-qwen3-8b", ".base.tar"]:
 #                                                     unpack vLLM and its wheels; host microseconds per
@@ -51,7 +52,10 @@ pack() {  # a call brings back at most 8 files: the runs' JSON and server logs g
 case $stage in
   1)
     TEST_SECONDS=${TEST_SECONDS:-240} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
-      tests/test_prompt_logprobs.py tests/test_batch_tables.py tests/test_fused_ops.py" "$OUT/gpu_tests_1.txt" ;;
+      tests/test_prompt_logprobs.py tests/test_batch_tables.py tests/test_fused_ops.py" "$OUT/gpu_tests_1.txt"
+    # with CUDNN_ROWS=1: the ragged burst step as one dense cuDNN call a row, against the TMA path
+    [ "${CUDNN_ROWS:-0}" = 1 ] && PYTHONPATH=$PWD timeout 120 python3 benchmarks/prefill_headroom.py --cudnn-rows 2>&1 \
+      | grep -v -i warn | tee "$OUT/cudnn_rows.txt" ;;
   2)
     TEST_SECONDS=${TEST_SECONDS:-150} gpu_tests "tests/test_triton_kernels.py tests/test_attention_warmup.py" \
       "$OUT/gpu_tests_2.txt" ;;
