@@ -405,6 +405,82 @@ def cudnn_rows() -> None:
             except Exception as e:  # noqa: BLE001
                 print(f"cudnn row new length {n} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     dense_lse_check(q, k, v)
+    cudnn_prefixed_rows()
+
+
+def _cudnn_part(qv, kv, vv, causal: bool):
+    """(out [1, H, n, D], log-sum-exp [1, H, n]) of one dense cuDNN call, KV heads expanded."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(qv, kv, vv, None, True, 0.0, causal, False,
+                                                             scale=HEAD_DIM ** -0.5)
+    return res[0], res[1].reshape(qv.shape[:3])
+
+
+def cudnn_prefixed_row(q, k_all, v_all, out, a, prefix, n, key_at):
+    """A chunk of n queries after `prefix` cached keys (tokens key_at.. of k_all/v_all, the
+    prefix first): cuDNN over the prefix (no mask) and over the chunk's own keys (causal),
+    each with its log-sum-exp, merged."""
+    qv = _row_views(q, a, a + n, HEADS)
+    own_k, own_v = (t[key_at + prefix:key_at + prefix + n].repeat_interleave(GROUP, 1).view(1, n, HEADS, HEAD_DIM)
+                    .transpose(1, 2) for t in (k_all, v_all))
+    o2, l2 = _cudnn_part(qv, own_k, own_v, True)
+    if prefix == 0:
+        out[a:a + n] = o2.transpose(1, 2)[0]
+        return
+    pre_k, pre_v = (t[key_at:key_at + prefix].repeat_interleave(GROUP, 1).view(1, prefix, HEADS, HEAD_DIM)
+                    .transpose(1, 2) for t in (k_all, v_all))
+    o1, l1 = _cudnn_part(qv, pre_k, pre_v, False)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    merged = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+    out[a:a + n] = merged.transpose(1, 2)[0].to(out.dtype)
+
+
+def cudnn_prefixed_rows() -> None:
+    """The served-like step with cached prefixes (RAGGED_PREFIXED, its decode row left out) and a
+    long chunk after a long prefix: the TMA path against cuDNN calls a row, a prefixed row's
+    prefix gathered contiguous first (here already so: the gather's cost is not in these times),
+    its two parts merged through their log-sum-exps. Each checked against float32."""
+    for shape in ([(p, n) for p, n in RAGGED_PREFIXED if n > 1], [(4096, 4096)], [(2000, 2048), (2000, 2048)]):
+        torch.manual_seed(0)
+        totals = [p + n for p, n in shape]
+        k_all, v_all = torch.randn(2, sum(totals), KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        cache, table = ragged_cache(k_all, v_all, totals)
+        key_at = [0] + list(itertools.accumulate(totals))[:-1]
+        fresh_rows = torch.cat([torch.arange(a + p, a + p + n) for a, (p, n) in zip(key_at, shape)]).cuda()
+        news = [n for _, n in shape]
+        q = torch.randn(sum(news), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        q_at = [0] + list(itertools.accumulate(news))
+        starts = torch.tensor(q_at, dtype=torch.int32, device="cuda")
+        lens = torch.tensor(totals, dtype=torch.int32, device="cuda")
+        ref = []
+        for a, ka, (p, n) in zip(q_at, key_at, shape):
+            qs = q[a:a + n].float().transpose(0, 1)
+            ks, vs = (t[ka:ka + p + n].float().repeat_interleave(GROUP, 1).transpose(0, 1) for t in (k_all, v_all))
+            sc = qs @ ks.transpose(1, 2) * HEAD_DIM ** -0.5
+            mask = torch.ones(n, p + n, dtype=torch.bool, device="cuda").triu(p + 1)
+            ref.append((sc.masked_fill(mask, float("-inf")).softmax(-1) @ vs).transpose(0, 1))
+        ref = torch.cat(ref)
+        out = torch.empty_like(q)
+        flops = sum(4 * HEADS * HEAD_DIM * (n * p + n * (n + 1) // 2) for p, n in shape)
+        k, v = k_all[fresh_rows], v_all[fresh_rows]
+
+        def rows():
+            for a, ka, (p, n) in zip(q_at, key_at, shape):
+                cudnn_prefixed_row(q, k_all, v_all, out, a, p, n, ka)
+            return out
+        runs = [("tma path", lambda: prefill_attention_tma(q, k, v, cache, out, table, starts, lens, max(news),
+                                                           HEAD_DIM ** -0.5, TmaPrefillConfig(), single_queries=False)),
+                ("paged large tiles", lambda: prefill_attention(q, cache, out, table, starts, lens, max(news),
+                                                                 HEAD_DIM ** -0.5, None, 0, LARGE_TILES)),
+                ("cudnn rows, prefix merged", rows)]
+        for name, fn in runs:
+            try:
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                ms = do_bench(fn, warmup=10, rep=50)
+                print(f"prefixed {shape} {name:<26} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s  "
+                      f"rel err {err:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"prefixed {name:<26} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 def dense_lse_check(q, k, v) -> None:
