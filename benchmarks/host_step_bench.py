@@ -116,7 +116,10 @@ def instrument(engine: LLMEngine, timer: StepTimer) -> Callable[[], None]:
     sched.schedule = timer.wrap("schedule", sched.schedule)
     sched.update_after_step = timer.wrap("schedule", sched.update_after_step)
     runner = engine.runner
-    runner.launch = timer.wrap("launch", runner.launch)
+    # The engine launches a step through `prepare` and `run` (a tree before them: `launch`);
+    # either way "launch" is the step's input preparation, forward and sampling launch.
+    for name in ("prepare", "run") if hasattr(runner, "prepare") else ("launch",):
+        setattr(runner, name, timer.wrap("launch", getattr(runner, name)))
     prepare, resolve = model_runner.prepare_inputs, InFlightStep.resolve
     model_runner.prepare_inputs = timer.wrap("input_prep", prepare)
     InFlightStep.resolve = timer.wrap("wait", resolve)

@@ -1,8 +1,9 @@
-"""Long eager steps resolve the step in flight before they launch
+"""Long eager steps resolve the step in flight before their forward is launched
 (`LLMEngine._drain_before_long_launch`): on a GPU such a launch fills the
 device's launch queue, and the step before's tokens would wait behind it.
-On CPU the bound is set by hand; the tokens must be those of the fully
-pipelined engine, and no launch may carry a request the drained step stopped."""
+Their inputs are prepared before that wait, as a pipelined step's are, so the
+device idles only while the host reads the tokens. On CPU the bound is set by
+hand; the tokens must be those of the fully pipelined engine."""
 from __future__ import annotations
 
 import pytest
@@ -18,23 +19,31 @@ def llama_dir(tmp_path_factory):
 
 def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]], events: list | None = None):
     """Four short requests decode while two 300-token prompts are prefilled in 64-token
-    steps. Returns (outputs, launches: (tokens, decode-only, previous given, row request indices)).
-    With `events`, steps get an `emit` and the list gets, in order, ("launch", tokens) per launch,
-    ("emit", {index: tokens so far}) per emit and ("return", {index: tokens so far}) per step."""
+    steps. Returns (outputs, launches: (tokens, decode-only, previous given to `prepare`,
+    the step before still in flight at `run`, row request indices)). With `events`, steps
+    get an `emit` and the list gets, in order, ("prepare", tokens) and ("launch", tokens)
+    per step, ("emit", {index: tokens so far}) per emit and ("return", {index: tokens so
+    far}) per step."""
     llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8, max_model_len=512,
               max_num_batched_tokens=64)
     engine = llm.engine
     engine.runner.drain_above_tokens = drain_above
-    launches, launch = [], engine.runner.launch
+    launches, runner = [], engine.runner
+    prepare, run, given = runner.prepare, runner.run, []
 
-    def spy(out, tables, previous=None, prompt_logprobs=None):
-        assert not any(s.request.is_finished for s in out.scheduled)
-        launches.append((out.num_tokens, out.decode is not None, previous is not None,
+    def spy_prepare(out, tables, previous=None):
+        given.append(previous is not None)
+        if events is not None:
+            events.append(("prepare", out.num_tokens))
+        return prepare(out, tables, previous)
+
+    def spy_run(inputs, out, prompt_logprobs=None):
+        launches.append((out.num_tokens, out.decode is not None, given[-1], engine._in_flight is not None,
                          {requests.index(s.request) for s in out.scheduled}))
         if events is not None:
             events.append(("launch", out.num_tokens))
-        return launch(out, tables, previous, prompt_logprobs)
-    engine.runner.launch = spy
+        return run(inputs, out, prompt_logprobs)
+    runner.prepare, runner.run = spy_prepare, spy_run
     seen = lambda touched: {requests.index(r): len(r.output_token_ids) for r in touched}  # noqa: E731
 
     def step():
@@ -65,13 +74,16 @@ def test_long_eager_steps_launch_after_the_step_in_flight_is_resolved(llama_dir)
     pipelined, plain = _run(llama_dir, None, stops)
     drained, launches = _run(llama_dir, 16, stops)
     assert drained == pipelined and drained[i] == reference[i][:k + 1]
-    long_steps = [x for x in launches if x[0] > 16 and not x[1]]
-    assert len(long_steps) >= 8 and not any(previous for _, _, previous, _ in long_steps)
-    assert any(previous for tokens, _, previous, _ in launches if tokens <= 16)   # short steps stay pipelined
-    # The pipelined engine launched one more row of that request (after its stop token was
-    # sampled, not yet read); the drained one read the stop first and left the row out.
+    long_steps = [x for x in launches[1:] if x[0] > 16 and not x[1]]   # the first had no step before it
+    # prepared with the step before in flight (its pending tokens gathered on the device),
+    # launched once that step was resolved
+    assert len(long_steps) >= 8 and all(given and not in_flight for _, _, given, in_flight, _ in long_steps)
+    assert all(in_flight for tokens, _, _, in_flight, _ in launches[1:] if tokens <= 16)   # short steps stay pipelined
+    assert all(in_flight for tokens, decode, _, in_flight, _ in plain[1:] if tokens > 16 and not decode)   # no drain
+    # Prepared before the stop was read, a long step carries the stopped request's row, as the
+    # pipelined engine's steps do; its token is dropped (the outputs above).
     rows_of = lambda launched: sum(i in rows for *_, rows in launched)  # noqa: E731
-    assert rows_of(plain) == rows_of(launches) + 1
+    assert rows_of(plain) == rows_of(launches)
 
 
 def test_tokens_a_drain_read_go_out_before_the_long_launch(llama_dir):
@@ -81,15 +93,17 @@ def test_tokens_a_drain_read_go_out_before_the_long_launch(llama_dir):
     events = []
     outputs, _ = _run(llama_dir, 16, {}, events)
     assert outputs == reference
-    # the long launches with a step in flight before them (the first, the short prompts', has none)
-    long_launches = [i for i, (kind, tokens) in enumerate(events) if kind == "launch" and tokens > 16 and i > 0]
+    # the long launches with a step in flight before them (the first, the short prompts', has none):
+    # prepared, then the step before read and its tokens handed over, then launched
+    long_launches = [i for i, (kind, tokens) in enumerate(events) if kind == "launch" and tokens > 16 and i > 1]
     assert len(long_launches) >= 8
     assert all(events[i - 1][0] == "emit" and events[i - 1][1] for i in long_launches)
+    assert all(events[i - 2] == ("prepare", events[i][1]) for i in long_launches)
     emitted = [e for kind, e in events if kind == "emit"]
     assert all(e for e in emitted) and len(emitted) == len(long_launches)
     delivered = {}
     for kind, got in events:
-        if kind != "launch":
+        if kind in ("emit", "return"):
             for index, count in got.items():
                 assert count > delivered.get(index, 0)   # each hand-over carries new tokens
                 delivered[index] = count

@@ -111,15 +111,16 @@ def test_rows_from_the_decode_streak_equal_rows_read_request_by_request():
     from kvserve.runner.sampler import RequestFailed
     llm = LLM("dummy:tiny-llama", load_format="dummy", device="cpu", dtype="float32", block_size=4,
               max_model_len=96, num_kv_blocks=32, max_num_seqs=8, max_num_batched_tokens=64)
-    engine, rng, counts = llm.engine, random.Random(3), {"fast": 0, "read": 0}
+    engine, rng, counts = llm.engine, random.Random(3), {"fast": 0, "read": 0, "failed": 0}
     engine.scheduler._running_rows = _shadowed_running_rows(engine.scheduler, counts)
-    launch = engine.runner.launch
+    run = engine.runner.run
 
-    def flaky_launch(*args, **kwargs):   # a launch that fails naming no request: nobody leaves, nothing advances
+    def flaky_run(*args, **kwargs):   # a launch that fails naming no request: nobody leaves, nothing advances
         if rng.random() < 0.03:
+            counts["failed"] += 1
             raise RequestFailed([], RuntimeError("injected"))
-        return launch(*args, **kwargs)
-    engine.runner.launch = flaky_launch
+        return run(*args, **kwargs)
+    engine.runner.run = flaky_run
     requests = []
     for _ in range(400):
         if rng.random() < 0.25 and len(requests) < 60:
@@ -132,7 +133,7 @@ def test_rows_from_the_decode_streak_equal_rows_read_request_by_request():
         engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    assert counts["fast"] > 50 and counts["read"] > 50, counts
+    assert counts["fast"] > 50 and counts["read"] > 50 and counts["failed"] > 3, counts
     assert engine.scheduler.num_preemptions > 0, engine.scheduler.num_preemptions
     assert all(r.is_finished for r in requests)
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_usable_blocks   # nothing leaked

@@ -129,27 +129,27 @@ class LLMEngine:
         Steps are pipelined one deep: step N+1 is scheduled and queued on the
         device before step N's sampled ids are read back, so host work (the
         scheduler, batch building, stop checks) overlaps device work; a long
-        eager step reads step N's ids before it launches instead
-        (`_drain_before_long_launch`). Returns the requests that got a new token.
-        With `emit`, the requests such a drain gave a token go to `emit` before
-        the long launch (tens of ms of host time, a whole step's when the launch
-        queue fills) instead of into the returned list.
+        eager step is prepared (inputs built and uploaded) and then reads step
+        N's ids before its forward is launched (`_drain_before_long_launch`).
+        Returns the requests that got a new token. With `emit`, the requests
+        such a drain gave a token go to `emit` before the long launch (tens of
+        ms of host time, a whole step's when the launch queue fills) instead of
+        into the returned list.
         """
         self.last_wait_s = 0.0
         out = self.scheduler.schedule()
-        drained = self._drain_before_long_launch(out)
-        if drained and emit is not None:
-            emit(drained)
-            drained = []
         if out.is_empty:
             self.runner.copy_blocks(out.kv_copies)  # a swap-out with nothing scheduled
-            touched = drained + self._finish_in_flight(None)
+            touched = self._finish_in_flight(None)
             self._start_write_backs()
             return touched
         start = time.monotonic()
         tables = self.kv_cache.block_tables(list(map(row_request_id, out.scheduled)))
+        drained: list[Request] = []
         try:
-            launched = self.runner.launch(out, tables, self._in_flight, self.prompt_logprobs)
+            inputs = self.runner.prepare(out, tables, self._in_flight)
+            drained = self._drain_before_long_launch(out, emit)
+            launched = self.runner.run(inputs, out, self.prompt_logprobs)
         except Exception as e:  # nothing advanced: the survivors are scheduled again next step
             return drained + self._on_step_error(e, [s.request for s in out.scheduled])
         self._num_failed_steps = 0
@@ -160,20 +160,25 @@ class LLMEngine:
         self._observe_rates()
         return touched
 
-    def _drain_before_long_launch(self, out: SchedulerOutput) -> list[Request]:
-        """Before a step that runs eagerly with many tokens (`ModelRunner.drain_above_tokens`),
-        finish the step in flight and return the requests it gave a token. Such a launch
-        (~600 kernels) fills the device's launch queue: the host would block in it until
-        most of the step before had run, and only then read that step's tokens, a whole
-        long step late (the served mixed burst's 200-480 ms host stalls, all in such
-        launches). Finished first, the tokens go out as soon as they exist; the device
-        idles only while this step's first kernels are queued. Rows of requests that the
-        finished step stopped leave `out`."""
+    def _drain_before_long_launch(self, out: SchedulerOutput,
+                                  emit: Callable[[list[Request]], None] | None) -> list[Request]:
+        """Before the forward of a step that runs eagerly with many tokens
+        (`ModelRunner.drain_above_tokens`; its inputs are already on the device), finish the
+        step in flight: its requests that got a token go to `emit`, or are returned without
+        one. Such a launch (~600 kernels) fills the device's launch queue: the host would
+        block in it until most of the step before had run, and only then read that step's
+        tokens, a whole long step late (the served mixed burst's 200-480 ms host stalls, all
+        in such launches). Finished first, the tokens go out as soon as they exist; the
+        device idles only while the host reads them and queues this step's first kernels.
+        The step keeps rows of requests that the finished step stopped, as a pipelined step
+        does (their tokens are dropped)."""
         limit = self.runner.drain_above_tokens
         if limit is None or out.decode is not None or self._in_flight is None or out.num_tokens <= limit:
             return []
         touched = self._finish_in_flight(None)
-        out.scheduled = [s for s in out.scheduled if not s.request.is_finished]
+        if touched and emit is not None:
+            emit(touched)
+            return []
         return touched
 
     def _start_write_backs(self) -> None:

@@ -125,17 +125,20 @@ class ModelRunner:
                                    max_model_len, max_num_seqs, self.device)
         self.graphs.capture(pool)
 
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput, block_tables: list[torch.Tensor],
                previous: "InFlightStep | None" = None,
                prompt_logprobs: PromptLogprobs | None = None) -> "InFlightStep":
-        """Queue one step's forward and sampling without waiting for the device.
+        """Queue one step's forward and sampling without waiting for the device:
+        `prepare`, then `run`."""
+        return self.run(self.prepare(out, block_tables, previous), out, prompt_logprobs)
 
-        Tokens still pending from `previous` (sampled there, not yet on the
-        host) are gathered from its device ids, so the host never waits for
-        step N before launching step N+1. `prompt_logprobs` (empty unless a
-        request asked) adds the prompt rows of the requests it tracks.
-        """
+    @torch.inference_mode()
+    def prepare(self, out: SchedulerOutput, block_tables: list[torch.Tensor],
+                previous: "InFlightStep | None" = None) -> ModelInputs:
+        """A step's work before its forward: its block copies queued, its inputs
+        built and uploaded. Tokens still pending from `previous` (sampled there,
+        not yet on the host) are gathered from its device ids, so the host never
+        waits for step N before preparing step N+1."""
         self.copy_blocks(out.kv_copies)  # before the forward: loads land, saves read old KV
         if self.kv_transfer is not None:
             self.kv_transfer.wait_prefetched()  # the last step's load-ahead admissions run now
@@ -144,6 +147,13 @@ class ModelRunner:
         self._fill_pending(inputs, out, previous)
         if self.step_channel is not None:
             self.step_channel.publish(inputs)
+        return inputs
+
+    @torch.inference_mode()
+    def run(self, inputs: ModelInputs, out: SchedulerOutput,
+            prompt_logprobs: PromptLogprobs | None = None) -> "InFlightStep":
+        """Queue the forward and sampling of a prepared step. `prompt_logprobs`
+        (empty unless a request asked) adds the prompt rows of the requests it tracks."""
         hidden = self._forward(inputs)
         prompt = prompt_logprobs.launch(self.model, hidden, out.scheduled, inputs.host.query_start_loc) \
             if prompt_logprobs else None
