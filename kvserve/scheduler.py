@@ -491,8 +491,9 @@ class Scheduler:
             request.num_computed_tokens = start + num_new
             if start < len(request.prompt_token_ids):  # a prompt chunk is an event; decode steps are too many
                 request.record_event("prefill", num_new)
-        for item in sampled:
-            item.request.num_pending_tokens += 1
+        for item in sampled:   # a long step's drain may have finished a row's request (it keeps none pending)
+            if not item.request.is_finished:
+                item.request.num_pending_tokens += 1
 
     def remove_finished(self, request: Request, status: RequestStatus) -> None:
         """Finish a request wherever it is: with pipelined steps, a stop can land

@@ -63,6 +63,7 @@ def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]], events
         engine.add_request(request)
     while engine.has_unfinished_requests():
         step()
+    assert all(r.num_pending_tokens == 0 for r in requests)   # a drained stop leaves nothing pending
     return [list(r.output_token_ids) for r in requests], launches
 
 
