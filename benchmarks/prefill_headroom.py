@@ -212,6 +212,18 @@ RAGGED = [4313, 1311, 1033, 891, 120, 175, 107]
 RAGGED_NEW_SHAPES = [[1558, 4313, 883, 760, 757], [4313, 4313], [1147, 407, 1084, 152, 1073, 1101, 885, 1946, 1191]]
 
 
+def timed_rows(label: str, runs, ref: torch.Tensor, flops: int, warmup: int = 25, rep: int = 100) -> None:
+    """Print each run's time, TFLOP/s and relative error against `ref`; a run that fails is a row."""
+    for name, fn in runs:
+        try:
+            err = ((fn().float() - ref).norm() / ref.norm()).item()
+            ms = do_bench(fn, warmup=warmup, rep=rep)
+            print(f"{label} {name:<28} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s  rel err {err:.1e}",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - a path that fails here is a row
+            print(f"{label} {name:<28} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 def ragged_rows() -> None:
     """One step of ragged fresh prompts: paged kernel, TMA path and cuDNN against a float32
     reference per sequence; then cuDNN's first call at new shapes (plan building) against its warm time."""
@@ -234,14 +246,7 @@ def ragged_rows() -> None:
                                                              max(RAGGED), HEAD_DIM ** -0.5, None, 0, fresh_kv=(k, v))),
             ("cudnn ragged", lambda: cudnn_ragged(q, k, v, starts, max(RAGGED))),
             ("cudnn ragged + lse", lambda: cudnn_ragged(q, k, v, starts, max(RAGGED), lse=True))][:None if CUDNN_RAGGED else 3]
-    for name, fn in runs:
-        try:
-            err = ((fn().float() - ref).norm() / ref.norm()).item()
-            ms = do_bench(fn, warmup=25, rep=100)
-            print(f"ragged {len(RAGGED)} seqs / {total} tokens {name:<20} {ms * 1e3:8.1f} us "
-                  f"{flops / ms / 1e9:6.1f} TFLOP/s  rel err {err:.1e}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a path that fails here is a row
-            print(f"ragged {name:<20} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    timed_rows(f"ragged {len(RAGGED)} seqs / {total} tokens", runs, ref, flops)
     if not CUDNN_RAGGED:
         return
     lse_check(q, k, v, starts)
@@ -383,14 +388,7 @@ def cudnn_rows() -> None:
                 cudnn_row(q, k, v, out, a, b, gqa, bucket)
             return out
         runs.append((f"cudnn rows {'gqa' if gqa else 'expanded'} {'bucket ' + str(bucket) if bucket else 'exact'}", step))
-    for name, fn in runs:
-        try:
-            err = ((fn().float() - ref).norm() / ref.norm()).item()
-            ms = do_bench(fn, warmup=10, rep=50)
-            print(f"rows {len(RAGGED)} seqs / {total} tokens {name:<28} {ms * 1e3:8.1f} us "
-                  f"{flops / ms / 1e9:6.1f} TFLOP/s  rel err {err:.1e}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a path that fails here is a row
-            print(f"rows {name:<28} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    timed_rows(f"rows {len(RAGGED)} seqs / {total} tokens", runs, ref, flops, warmup=10, rep=50)
     for gqa, bucket in ((True, 0), (True, 128)):
         for n in (1500, 1501, 2999, 3001, 777):   # lengths not seen above
             try:
@@ -473,14 +471,7 @@ def cudnn_prefixed_rows() -> None:
                 ("paged large tiles", lambda: prefill_attention(q, cache, out, table, starts, lens, max(news),
                                                                  HEAD_DIM ** -0.5, None, 0, LARGE_TILES)),
                 ("cudnn rows, prefix merged", rows)]
-        for name, fn in runs:
-            try:
-                err = ((fn().float() - ref).norm() / ref.norm()).item()
-                ms = do_bench(fn, warmup=10, rep=50)
-                print(f"prefixed {shape} {name:<26} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s  "
-                      f"rel err {err:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(f"prefixed {name:<26} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        timed_rows(f"prefixed {shape}", runs, ref, flops, warmup=10, rep=50)
 
 
 def dense_lse_check(q, k, v) -> None:
