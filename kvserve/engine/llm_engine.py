@@ -150,7 +150,8 @@ class LLMEngine:
             inputs = self.runner.prepare(out, tables, self._in_flight)
             drained = self._drain_before_long_launch(out, emit)
             launched = self.runner.run(inputs, out, self.prompt_logprobs)
-        except Exception as e:  # nothing advanced: the survivors are scheduled again next step
+        except Exception as e:  # this step advanced nothing (a drain may have finished the one before):
+            # its survivors are scheduled again next step
             return drained + self._on_step_error(e, [s.request for s in out.scheduled])
         self._num_failed_steps = 0
         self.scheduler.update_after_step(out, launched.rows)
