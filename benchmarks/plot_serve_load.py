@@ -1,7 +1,8 @@
 """Table and PNG of a serve_load.sh rate sweep: TTFT p99 and ITL p95 against
 request rate, one line per engine, from the `--save-json` files of a folder.
 
-Usage: python benchmarks/plot_serve_load.py DIR [WORKLOAD] [OUT.png]
+Usage: python benchmarks/plot_serve_load.py DIR [WORKLOAD] [OUT.png] [MACHINES]
+MACHINES names where the runs went in the title ("one H200" unless given).
 """
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ def plot(runs: dict[str, list[tuple[float, dict]]], out: str, title: str) -> Non
     fig.savefig(out, dpi=110)
 
 
-def main(folder: str, workload: str = "ide-completion", out: str | None = None) -> None:
+def main(folder: str, workload: str = "ide-completion", out: str | None = None,
+         machines: str = "one H200") -> None:
     runs = load(Path(folder), workload)
     print(table(runs))
     if out:
-        plot(runs, out, f"{workload}: streaming /v1/completions, token-id prompts, one H200")
+        plot(runs, out, f"{workload}: streaming /v1/completions, token-id prompts, {machines}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
