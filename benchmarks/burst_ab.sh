@@ -9,12 +9,13 @@ rounds=${1:-2}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 site=/tmp/site
 [ -d .srv ] && python3 -m pip install -q --no-index --no-deps --no-compile --target $site .srv/*.whl > /dev/null 2>&1
+[ -d .vsite ] && site=$PWD/.vsite   # vllm_compare.sh's stage 3 unpacked vLLM's site (the web wheels with it)
 rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf .base.tar -C /tmp/base
 for _ in $(seq "$rounds"); do
   for tree in new base; do
     dir=$PWD; [ $tree = base ] && dir=/tmp/base
     (cd "$dir" && PYTHONPATH=$dir:$site PYTHONUNBUFFERED=1 timeout 200 python3 benchmarks/burst_prefill_profile.py \
       --engine kvserve --model-dir "$OLDPWD/.dummy-qwen3-8b" 2>&1 \
-      | grep -E "^kvserve|^  gemm|^device idle|^  gaps 100|Memcpy DtoH|Error" | sed "s/^/$tree: /") | tee -a "$OUT/burst_ab.txt"
+      | grep -E "^kvserve|^  gemm|^device idle|^  gaps 100|ms/step  Memcpy|Error" | sed "s/^/$tree: /") | tee -a "$OUT/burst_ab.txt"
   done
 done

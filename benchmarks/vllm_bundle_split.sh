@@ -2,7 +2,8 @@
 # Re-cuts the vLLM bundle's .tar.xz stream (prepare.sh writes it as .vp1/chunk_aa + .vp2/chunk_ab)
 # so that each device call stays under the 64 MiB it may carry with this repository's tree:
 # .vp1 and .vp2 take as much as fits beside the tree (less MARGIN), .vp2b the rest, which travels
-# with the wheels (.vp3) and the model directory in vllm_compare.sh's stage 3.
+# with the wheels (.vp3) and the model directory in vllm_compare.sh's stage 3 (or alone, in a call
+# of its own, when the tree has grown so far that the three no longer fit one).
 # Usage (repo root, after prepare.sh): bash benchmarks/vllm_bundle_split.sh [MARGIN_BYTES]
 set -eu
 margin=${1:-1500000}
@@ -10,7 +11,7 @@ limit=$((64 * 1024 * 1024))
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
 part=$((limit - tree - margin))
 tmp=$(mktemp -d)
-find .vp1 .vp2 -type f | sort | xargs cat > "$tmp/stream"
+find .vp1 .vp2 $(ls -d .vp2b 2>/dev/null) -type f | sort | xargs cat > "$tmp/stream"   # a re-cut: .vp2b too
 size=$(stat -c %s "$tmp/stream")
 rm -rf .vp1 .vp2 .vp2b .vp1b && mkdir -p .vp1 .vp2 .vp2b
 head -c "$part" "$tmp/stream" > .vp1/part1

@@ -8,17 +8,22 @@
 #                                                     tables and fused ops; with CUDNN_ROWS=1 the
 #                                                     prefill probe `prefill_headroom.py --cudnn-rows`
 #   stage 2  carry [".vp2"]:                          GPU tests of the attention kernels and their warm-up
-#   stage 3  carry [".vp3", ".vp2b", ".dummy-qwen3-8b", ".base.tar"]:
+#   (2b)     carry [".vp2b", ".base.tar"], command `true`: when the tree has grown so far that .vp2b no
+#                                                     longer fits stage 3's carry (vllm_bundle_split.sh warns)
+#   stage 3  carry [".vp3", ".vp2b", ".dummy-qwen3-8b", ".base.tar"] (less what 2b carried):
 #                                                     unpack vLLM and its wheels; host microseconds per
-#                                                     step at 32/128/256 (real forward), with .base.tar
+#                                                     step at 32/128/256 (real forward; HOST=0 skips it), with .base.tar
 #                                                     (`git archive BASE kvserve`) and BASE=rev an A/B
 #                                                     against it; the mixed burst's prefill profiled
-#                                                     (burst_prefill_profile.py); with OFFLINE=1 the
-#                                                     offline seed scenarios
+#                                                     (burst_prefill_profile.py; with AB_ROUNDS=n and
+#                                                     .base.tar, burst_ab.sh's base/new A/B instead); with
+#                                                     OFFLINE=1 the offline seed scenarios
 #   stage 4  carry [".dummy-qwen3-8b"]:               kvserve's serving runs (the rate sweep included)
 #   stage 5  carry [".dummy-qwen3-8b"]:               vLLM's serving runs (about 150 s of start-up)
 #   stage 6  carry [".dummy-qwen3-8b"]:               vLLM's burst prefill profile (about 140 s of
-#                                                     start-up); with OFFLINE=1 its offline seed scenarios
+#                                                     start-up; BURST=0 skips it); with OFFLINE=1 its
+#                                                     offline seed scenarios
+#   stage 7  carry [".dummy-qwen3-8b"]:               kvserve's offline seed scenarios alone (after stage 3)
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -27,7 +32,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|2|3|4|5|6 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|2|3|4|5|6|7 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -62,15 +67,19 @@ case $stage in
   3)
     mkdir -p .vsite && cat .vp1/* .vp2/* .vp2b/* | xz -d -T16 | tar -x -C .vsite
     python3 -m pip install -q --no-index --no-deps --no-compile --target .vsite .vp3/*.whl
-    # host microseconds per step at 32/128/256 running (msgspec from vLLM's site)
-    PYTHONPATH=$PWD:$PWD/.vsite timeout 120 python3 benchmarks/host_step_bench.py --model dummy:qwen3-8b \
-      --device cuda --running 32,128,256 --steps 48 2>&1 | tail -6 | tee "$OUT/host_step.txt"
+    # host microseconds per step at 32/128/256 running (msgspec from vLLM's site); HOST=0 skips it
+    [ "${HOST:-1}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 120 python3 benchmarks/host_step_bench.py \
+      --model dummy:qwen3-8b --device cuda --running 32,128,256 --steps 48 2>&1 | tail -6 | tee "$OUT/host_step.txt"
     if [ -n "${BASE:-}" ] && [ -f .base.tar ]; then
       PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/host_step_ab.py --base "$BASE" --base-archive .base.tar \
         --running 256 --steps 80 --device cuda --num-kv-blocks 24000 --dtype float32 2>&1 | tail -9 | tee "$OUT/host_ab.txt"
     fi
-    PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/burst_prefill_profile.py --engine kvserve \
-      --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^kvserve|^  |^device|Error" | tail -40 | tee "$OUT/burst_kvserve.txt"
+    if [ -n "${AB_ROUNDS:-}" ] && [ -f .base.tar ]; then
+      bash benchmarks/burst_ab.sh "$AB_ROUNDS"
+    else
+      PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/burst_prefill_profile.py --engine kvserve \
+        --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^kvserve|^  |^device|Error" | tail -40 | tee "$OUT/burst_kvserve.txt"
+    fi
     [ "${OFFLINE:-0}" = 1 ] && offline kvserve 150 ;;
   4)
     export PATH=$PWD/.vsite/bin:$PATH
@@ -82,8 +91,11 @@ case $stage in
     export PATH=$PWD/.vsite/bin:$PATH
     timeout 580 bash benchmarks/serve_load.sh vllm "$PWD/.dummy-qwen3-8b" "$runs"; pack vllm ;;
   6)  # the served mixed burst's prefill, kernel by kernel, as kvserve's was in stage 3
-    PYTHONPATH=$PWD:$PWD/.vsite timeout 400 python3 benchmarks/burst_prefill_profile.py --engine vllm \
-      --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^vllm|^  |^device|Error" | tail -40 | tee "$OUT/burst_vllm.txt"
+    [ "${BURST:-1}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 400 python3 benchmarks/burst_prefill_profile.py \
+      --engine vllm --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^vllm|^  |^device|Error" | tail -40 \
+      | tee "$OUT/burst_vllm.txt"
     [ "${OFFLINE:-0}" = 1 ] && offline vllm 380 ;;
-  *) echo "stage must be 1 to 6"; exit 2 ;;
+  7)
+    offline kvserve 200 ;;
+  *) echo "stage must be 1 to 7"; exit 2 ;;
 esac

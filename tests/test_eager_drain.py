@@ -1,9 +1,10 @@
-"""Long eager steps resolve the step in flight before their forward is launched
-(`LLMEngine._drain_before_long_launch`): on a GPU such a launch fills the
+"""Long eager steps resolve the step in flight inside their launch, once their
+first layers are queued (`LLMEngine._drain_before_long_launch`,
+`ModelRunner.drain_after_layers`): on a GPU the whole launch fills the
 device's launch queue, and the step before's tokens would wait behind it.
-Their inputs are prepared before that wait, as a pipelined step's are, so the
-device idles only while the host reads the tokens. On CPU the bound is set by
-hand; the tokens must be those of the fully pipelined engine."""
+Their inputs are prepared before, as a pipelined step's are, and the device
+runs the first layers while the host reads the tokens. On CPU the bound is set
+by hand; the tokens must be those of the fully pipelined engine."""
 from __future__ import annotations
 
 import pytest
@@ -20,10 +21,11 @@ def llama_dir(tmp_path_factory):
 def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]], events: list | None = None):
     """Four short requests decode while two 300-token prompts are prefilled in 64-token
     steps. Returns (outputs, launches: (tokens, decode-only, previous given to `prepare`,
-    the step before still in flight at `run`, row request indices)). With `events`, steps
-    get an `emit` and the list gets, in order, ("prepare", tokens) and ("launch", tokens)
-    per step, ("emit", {index: tokens so far}) per emit and ("return", {index: tokens so
-    far}) per step."""
+    the step before still in flight when `run` starts, the layers queued when `run`
+    resolved it (None: it did not), row request indices)). With `events`, steps get an
+    `emit` and the list gets, in order, ("prepare", tokens), ("launch", tokens) and
+    ("launched", tokens) per step, ("emit", {index: tokens so far}) per emit and
+    ("return", {index: tokens so far}) per step."""
     llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=8, max_model_len=512,
               max_num_batched_tokens=64)
     engine = llm.engine
@@ -37,12 +39,25 @@ def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]], events
             events.append(("prepare", out.num_tokens))
         return prepare(out, tables, previous)
 
-    def spy_run(inputs, out, prompt_logprobs=None):
-        launches.append((out.num_tokens, out.decode is not None, given[-1], engine._in_flight is not None,
-                         {requests.index(s.request) for s in out.scheduled}))
+    layers, drained_at = [], []
+    for i, layer in enumerate(engine.runner.model.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: layers.append(i))
+
+    def spy_drain(drain):
+        drained_at.append(len(layers))
+        drain()
+
+    def spy_run(inputs, out, prompt_logprobs=None, drain=None):
+        in_flight = engine._in_flight is not None
+        layers.clear(), drained_at.clear()
         if events is not None:
             events.append(("launch", out.num_tokens))
-        return run(inputs, out, prompt_logprobs)
+        launched = run(inputs, out, prompt_logprobs, drain and (lambda: spy_drain(drain)))
+        launches.append((out.num_tokens, out.decode is not None, given[-1], in_flight,
+                         drained_at[0] if drained_at else None, {requests.index(s.request) for s in out.scheduled}))
+        if events is not None:
+            events.append(("launched", out.num_tokens))
+        return launched
     runner.prepare, runner.run = spy_prepare, spy_run
     seen = lambda touched: {requests.index(r): len(r.output_token_ids) for r in touched}  # noqa: E731
 
@@ -67,7 +82,7 @@ def _run(llama_dir, drain_above: int | None, stops: dict[int, list[int]], events
     return [list(r.output_token_ids) for r in requests], launches
 
 
-def test_long_eager_steps_launch_after_the_step_in_flight_is_resolved(llama_dir):
+def test_long_eager_steps_resolve_the_step_in_flight_after_their_first_layers(llama_dir):
     reference, _ = _run(llama_dir, None, {})
     # A short request stops at a token first sampled from its 5th on, while the long prompts are prefilled.
     i, k = next((i, k) for i in range(4) for k in range(4, 12) if reference[i][k] not in reference[i][:k])
@@ -76,11 +91,13 @@ def test_long_eager_steps_launch_after_the_step_in_flight_is_resolved(llama_dir)
     drained, launches = _run(llama_dir, 16, stops)
     assert drained == pipelined and drained[i] == reference[i][:k + 1]
     long_steps = [x for x in launches[1:] if x[0] > 16 and not x[1]]   # the first had no step before it
-    # prepared with the step before in flight (its pending tokens gathered on the device),
-    # launched once that step was resolved
-    assert len(long_steps) >= 8 and all(given and not in_flight for _, _, given, in_flight, _ in long_steps)
-    assert all(in_flight for tokens, _, _, in_flight, _ in launches[1:] if tokens <= 16)   # short steps stay pipelined
-    assert all(in_flight for tokens, decode, _, in_flight, _ in plain[1:] if tokens > 16 and not decode)   # no drain
+    # prepared with the step before in flight (its pending tokens gathered on the device), that step
+    # resolved once the first two of the four layers were queued
+    assert len(long_steps) >= 8
+    assert all(given and in_flight and at == 2 for _, _, given, in_flight, at, _ in long_steps)
+    assert all(in_flight and at is None for tokens, _, _, in_flight, at, _ in launches[1:] if tokens <= 16)  # pipelined
+    assert all(in_flight and at is None for tokens, decode, _, in_flight, at, _ in plain[1:]
+               if tokens > 16 and not decode)   # no drain
     # Prepared before the stop was read, a long step carries the stopped request's row, as the
     # pipelined engine's steps do; its token is dropped (the outputs above).
     rows_of = lambda launched: sum(i in rows for *_, rows in launched)  # noqa: E731
@@ -88,18 +105,19 @@ def test_long_eager_steps_launch_after_the_step_in_flight_is_resolved(llama_dir)
 
 
 def test_tokens_a_drain_read_go_out_before_the_long_launch(llama_dir):
-    """With `emit` (the serving core's), a drained step's tokens are handed over before the long
+    """With `emit` (the serving core's), a drained step's tokens are handed over inside the long
     launch, not after it; every token still reaches the caller, and the outputs do not change."""
     reference, _ = _run(llama_dir, 16, {})
     events = []
     outputs, _ = _run(llama_dir, 16, {}, events)
     assert outputs == reference
     # the long launches with a step in flight before them (the first, the short prompts', has none):
-    # prepared, then the step before read and its tokens handed over, then launched
+    # prepared, launched, the step before read and its tokens handed over, the launch finished
     long_launches = [i for i, (kind, tokens) in enumerate(events) if kind == "launch" and tokens > 16 and i > 1]
     assert len(long_launches) >= 8
-    assert all(events[i - 1][0] == "emit" and events[i - 1][1] for i in long_launches)
-    assert all(events[i - 2] == ("prepare", events[i][1]) for i in long_launches)
+    assert all(events[i + 1][0] == "emit" and events[i + 1][1] for i in long_launches)
+    assert all(events[i - 1] == ("prepare", events[i][1]) and events[i + 2] == ("launched", events[i][1])
+               for i in long_launches)
     emitted = [e for kind, e in events if kind == "emit"]
     assert all(e for e in emitted) and len(emitted) == len(long_launches)
     delivered = {}

@@ -129,12 +129,12 @@ class LLMEngine:
         Steps are pipelined one deep: step N+1 is scheduled and queued on the
         device before step N's sampled ids are read back, so host work (the
         scheduler, batch building, stop checks) overlaps device work; a long
-        eager step is prepared (inputs built and uploaded) and then reads step
-        N's ids before its forward is launched (`_drain_before_long_launch`).
-        Returns the requests that got a new token. With `emit`, the requests
-        such a drain gave a token go to `emit` before the long launch (tens of
-        ms of host time, a whole step's when the launch queue fills) instead of
-        into the returned list.
+        eager step is prepared (inputs built and uploaded), queues its first
+        layers, then reads step N's ids before it queues the rest
+        (`_drain_before_long_launch`). Returns the requests that got a new
+        token. With `emit`, the requests such a drain gave a token go to `emit`
+        before the rest of the long launch (tens of ms of host time, a whole
+        step's when the launch queue fills) instead of into the returned list.
         """
         self.last_wait_s = 0.0
         out = self.scheduler.schedule()
@@ -146,10 +146,11 @@ class LLMEngine:
         start = time.monotonic()
         tables = self.kv_cache.block_tables(list(map(row_request_id, out.scheduled)))
         drained: list[Request] = []
+        drain = functools.partial(self._drain_before_long_launch, emit, drained) \
+            if self._drains_before(out) else None
         try:
             inputs = self.runner.prepare(out, tables, self._in_flight)
-            drained = self._drain_before_long_launch(out, emit)
-            launched = self.runner.run(inputs, out, self.prompt_logprobs)
+            launched = self.runner.run(inputs, out, self.prompt_logprobs, drain)
         except Exception as e:  # this step advanced nothing (a drain may have finished the one before):
             # its survivors are scheduled again next step
             return drained + self._on_step_error(e, [s.request for s in out.scheduled])
@@ -161,26 +162,31 @@ class LLMEngine:
         self._observe_rates()
         return touched
 
-    def _drain_before_long_launch(self, out: SchedulerOutput,
-                                  emit: Callable[[list[Request]], None] | None) -> list[Request]:
-        """Before the forward of a step that runs eagerly with many tokens
-        (`ModelRunner.drain_above_tokens`; its inputs are already on the device), finish the
-        step in flight: its requests that got a token go to `emit`, or are returned without
-        one. Such a launch (~600 kernels) fills the device's launch queue: the host would
-        block in it until most of the step before had run, and only then read that step's
-        tokens, a whole long step late (the served mixed burst's 200-480 ms host stalls, all
-        in such launches). Finished first, the tokens go out as soon as they exist; the
-        device idles only while the host reads them and queues this step's first kernels.
+    def _drains_before(self, out: SchedulerOutput) -> bool:
+        """Whether `out` runs eagerly with many tokens (`ModelRunner.drain_above_tokens`)
+        while a step is in flight: then `_drain_before_long_launch` runs inside its launch."""
+        limit = self.runner.drain_above_tokens
+        return not (limit is None or out.decode is not None or self._in_flight is None
+                    or out.num_tokens <= limit)
+
+    def _drain_before_long_launch(self, emit: Callable[[list[Request]], None] | None,
+                                  drained: list[Request]) -> None:
+        """Inside the launch of a step that runs eagerly with many tokens (its inputs are
+        already on the device, its first layers queued: `ModelRunner.run`), finish the step
+        in flight: its requests that got a token go to `emit`, or into `drained` without one.
+        Such a launch (~600 kernels) fills the device's launch queue: the host would block
+        in it until most of the step before had run, and only then read that step's tokens,
+        a whole long step late (the served mixed burst's 200-480 ms host stalls, all in such
+        launches). Finished before the rest is queued, the tokens go out as soon as they
+        exist, and the device runs the first layers meanwhile instead of idling (76 ms over
+        the served burst's 23 steps when the whole launch waited for the drain).
         The step keeps rows of requests that the finished step stopped, as a pipelined step
         does (their tokens are dropped)."""
-        limit = self.runner.drain_above_tokens
-        if limit is None or out.decode is not None or self._in_flight is None or out.num_tokens <= limit:
-            return []
         touched = self._finish_in_flight(None)
         if touched and emit is not None:
             emit(touched)
-            return []
-        return touched
+        else:
+            drained.extend(touched)
 
     def _start_write_backs(self) -> None:
         """Blocks that finished requests just freed start their background

@@ -14,7 +14,7 @@ Without a group the modules are the plain single-GPU ones.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -154,13 +154,17 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden].
+        `on_layer(i)` runs once layer i's kernels are queued (the runner drains the step
+        in flight there: `ModelRunner.run`)."""
         h = self.model.embed_tokens(input_ids)
         residual = None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, positions, self.rotary.inv_freq, meta)
+            if on_layer is not None:
+                on_layer(i)
         return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter, is_
+from typing import Callable
 
 import torch
 
@@ -30,6 +31,10 @@ from kvserve.scheduler import ScheduledRequest, SchedulerOutput, row_request_id
 # (`ModelRunner.drain_above_tokens`); with them, their largest bucket is the bound. The value is
 # mixed_graph.MAX_MIXED_GRAPH_TOKENS', not imported from there: that module loads Triton's kernels.
 EAGER_DRAIN_TOKENS = 2048
+# Layers of such a step queued before the drain (`ModelRunner.run`): an 8K-token step's layer runs
+# ~5.6 ms on an H200, longer than the drain's read, bookkeeping and hand-over (~1-3 ms), and two
+# layers (~35 kernels) on top of the step in flight stay far below the launch queue's depth.
+DRAIN_AFTER_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ class ModelRunner:
         # a 36-layer model): the engine resolves the step in flight before launching one
         # (`LLMEngine.step`). None: never (CPU: nothing is queued).
         self.drain_above_tokens: int | None = EAGER_DRAIN_TOKENS if device.type == "cuda" else None
+        self.drain_after_layers = DRAIN_AFTER_LAYERS
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
@@ -151,10 +157,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: ModelInputs, out: SchedulerOutput,
-            prompt_logprobs: PromptLogprobs | None = None) -> "InFlightStep":
+            prompt_logprobs: PromptLogprobs | None = None,
+            drain: Callable[[], None] | None = None) -> "InFlightStep":
         """Queue the forward and sampling of a prepared step. `prompt_logprobs`
-        (empty unless a request asked) adds the prompt rows of the requests it tracks."""
-        hidden = self._forward(inputs)
+        (empty unless a request asked) adds the prompt rows of the requests it tracks.
+        `drain` (the engine's read of the step in flight) runs once the first
+        `drain_after_layers` layers of an eager forward are queued, so the device goes
+        on into them while the host reads and hands over the step before; a replayed
+        graph runs it after its launch."""
+        hidden = self._forward(inputs, drain)
         prompt = prompt_logprobs.launch(self.model, hidden, out.scheduled, inputs.host.query_start_loc) \
             if prompt_logprobs else None
         if not inputs.sampling_rows:
@@ -187,18 +198,29 @@ class ModelRunner:
         index = upload(torch.tensor(rows, dtype=torch.long), self.device)
         inputs.input_ids[upload(flat, self.device)] = previous.sample.token_ids[index]
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs, drain: Callable[[], None] | None = None) -> torch.Tensor:
+        hidden = self._replay(inputs)
+        if hidden is not None:
+            if drain is not None:
+                drain()
+            return hidden
+        self.num_eager_forwards += 1
+        if drain is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        at = max(1, min(self.drain_after_layers, len(self.model.model.layers))) - 1   # exactly once
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                          on_layer=lambda i: drain() if i == at else None)
+
+    def _replay(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """The step's output from a captured graph, or None: no graph holds it."""
         meta = inputs.meta
         if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(meta.num_seqs):
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens,
                                    meta.max_seq_len)
         if self.mixed_graphs is not None and not meta.is_decode_only:
-            hidden = self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
-            if hidden is not None:
-                return hidden
-        self.num_eager_forwards += 1
-        return self.model(inputs.input_ids, inputs.positions, meta)
+            return self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
+        return None
 
 
 def _same_requests(scheduled: list[ScheduledRequest], previous: list[ScheduledRequest]) -> bool:

@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,7 +110,9 @@ class V4Runner(ModelRunner):
                              step.max_seq_len)
         return self.model.forward_tokens(step.input_ids, step.positions, [], [], batch)
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs, drain: Callable[[], None] | None = None) -> torch.Tensor:
+        if drain is not None:   # before the whole launch: V4's forward has no per-layer launch point
+            drain()
         if self.attention_backend == "triton":
             return self.forward_step(self._step(inputs))
         self.num_eager_forwards += 1
