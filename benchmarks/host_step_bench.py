@@ -107,7 +107,7 @@ PARTS = (
 def stub_forward(engine: LLMEngine) -> None:
     hidden = engine.model_config.hidden_size
     runner = engine.runner
-    runner._forward = lambda inputs: torch.zeros(inputs.meta.num_tokens, hidden, device=runner.device)
+    runner._forward = lambda inputs, *_: torch.zeros(inputs.meta.num_tokens, hidden, device=runner.device)
 
 
 def instrument(engine: LLMEngine, timer: StepTimer) -> Callable[[], None]:

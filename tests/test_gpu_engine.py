@@ -49,9 +49,9 @@ def _record_forwards(llm) -> list[tuple[bool, int]]:
     runner, calls = llm.engine.runner, []
     forward = runner._forward
 
-    def recording(inputs):
+    def recording(inputs, *rest):   # rest: the drain of a long eager step (`ModelRunner.run`)
         calls.append((inputs.meta.is_decode_only, inputs.meta.num_seqs))
-        return forward(inputs)
+        return forward(inputs, *rest)
     runner._forward = recording
     return calls
 
