@@ -32,8 +32,8 @@ from kvserve.scheduler import ScheduledRequest, SchedulerOutput, row_request_id
 # mixed_graph.MAX_MIXED_GRAPH_TOKENS', not imported from there: that module loads Triton's kernels.
 EAGER_DRAIN_TOKENS = 2048
 # Layers of such a step queued before the drain (`ModelRunner.run`): an 8K-token step's layer runs
-# ~5.6 ms on an H200, longer than the drain's read, bookkeeping and hand-over (~1-3 ms), and two
-# layers (~35 kernels) on top of the step in flight stay far below the launch queue's depth.
+# ~5.6 ms on an H200, longer than the drain's read, bookkeeping and hand-over (~1-3 ms). Their ~35
+# launches wait, as any launch does, while the step before's own long launch still fills the queue.
 DRAIN_AFTER_LAYERS = 2
 
 
