@@ -7,7 +7,8 @@ GIL) and talks to it over two ZeroMQ sockets on ipc:// paths: PUSH inputs,
 PULL outputs. `ThreadCoreClient` runs the same core loop on a thread, for an
 LLMEngine built in this process. Both call `on_outputs(CoreOutputs)` on the
 event loop, and `on_exit(reason)` once if the core stops without being told.
-Both answer `debug_snapshot()` (GET /debug/kvserve) by asking the core.
+Both answer `debug_snapshot()` (GET /debug/kvserve) and `profile(action)`
+(POST /start_profile, /stop_profile) by asking the core.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import threading
 from typing import Any, Callable
 
 from kvserve.engine.core_process import CoreInfo, EngineCore, ThreadTransport, run_core_process
-from kvserve.engine.core_protocol import Codec, CoreInputs, CoreOutputs
+from kvserve.engine.core_protocol import Codec, CoreInputs, CoreOutputs, ProfileCommand
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Non
         pass
 
 
+def _profile_inputs(action: str) -> Callable[[str], CoreInputs]:
+    return lambda query_id: CoreInputs(profile=[ProfileCommand(query_id, action)])
+
+
 class DebugQueries:
     """Debug snapshots asked of the core and not yet answered, by query id."""
 
@@ -45,10 +50,12 @@ class DebugQueries:
         self._waiting: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
 
-    async def ask(self, send: Callable[[CoreInputs], None], timeout_s: float) -> dict[str, Any]:
+    async def ask(self, send: Callable[[CoreInputs], None], timeout_s: float,
+                  inputs: Callable[[str], CoreInputs] = lambda q: CoreInputs(debug=[q])) -> dict[str, Any]:
+        """The core's reply to `inputs(query_id)`: a debug snapshot unless told otherwise."""
         query_id = f"q{next(self._ids)}"
         future = self._waiting[query_id] = asyncio.get_running_loop().create_future()
-        send(CoreInputs(debug=[query_id]))
+        send(inputs(query_id))
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
@@ -99,6 +106,9 @@ class ThreadCoreClient:
 
     async def debug_snapshot(self, timeout_s: float) -> dict[str, Any]:
         return await self._debug.ask(self.send, timeout_s)
+
+    async def profile(self, action: str, timeout_s: float) -> dict[str, Any]:
+        return await self._debug.ask(self.send, timeout_s, _profile_inputs(action))
 
     @property
     def is_alive(self) -> bool:
@@ -188,6 +198,9 @@ class ProcessCoreClient:
 
     async def debug_snapshot(self, timeout_s: float) -> dict[str, Any]:
         return await self._debug.ask(self.send, timeout_s)
+
+    async def profile(self, action: str, timeout_s: float) -> dict[str, Any]:
+        return await self._debug.ask(self.send, timeout_s, _profile_inputs(action))
 
     @property
     def is_alive(self) -> bool:

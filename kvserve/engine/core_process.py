@@ -27,7 +27,9 @@ from kvserve.diagnose.endpoint import engine_snapshot
 from kvserve.engine.gc_heap import freeze_startup_heap
 from kvserve.engine.step_trace import StepProfile, StepTrace, enable_sync_check_from_env, now
 from kvserve.engine.core_protocol import (
-    Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, DebugReply, Rejection, unpack_sampling_params)
+    Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, DebugReply, ProfileCommand, Rejection,
+    unpack_sampling_params)
+from kvserve.engine.device_profile import CoreProfiler, profiler_dir
 from kvserve.request import FINISHED_STATUSES
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,8 @@ class EngineCore:
         self._grammar_tokenizer = None   # xgrammar.TokenizerInfo, built at the first grammar
         self._trace = StepTrace.from_env()
         self._profile = StepProfile.from_env()
+        directory = profiler_dir()
+        self._device_profiler = CoreProfiler(directory) if directory else None
 
     def serve(self, idle_check: Callable[[], bool] = lambda: True) -> None:
         """Run until a shutdown input arrives or `idle_check` says stop. An
@@ -99,6 +103,8 @@ class EngineCore:
                 self._trace.close()
             if self._profile is not None:
                 self._profile.flush()
+            if self._device_profiler is not None:
+                self._device_profiler.close(self.engine.stats.num_steps)
 
     def run_once(self, idle_check: Callable[[], bool] = lambda: True) -> bool:
         """One turn: apply waiting inputs, then step if anything is unfinished.
@@ -129,9 +135,16 @@ class EngineCore:
             self.engine.abort_request(request_id)
         if message.debug:   # built only when asked: never on the step path
             replies.debug.extend(DebugReply(q, engine_snapshot(self.engine)) for q in message.debug)
+        replies.debug.extend(DebugReply(c.query_id, self._profile_command(c)) for c in message.profile)
         if (message.adds or message.aborts) and self._idle_reported:
             self._idle_reported = False
             self._last_metrics = float("-inf")   # the first busy step reports: no idle snapshot outlives it
+
+    def _profile_command(self, command: ProfileCommand) -> dict[str, Any]:
+        if self._device_profiler is None:
+            return {"error": "profiling is off in the engine core: start the server with "
+                             "KVSERVE_TORCH_PROFILER_DIR set"}
+        return self._device_profiler.command(command.action, self.engine.stats.num_steps)
 
     def _add(self, job: CoreJob, replies: CoreOutputs) -> None:
         try:

@@ -11,7 +11,8 @@ metrics snapshot. Prompt logprobs, when a request asked, ride with its first
 output (its prompt is computed by then) as compact rows. A debug query (an id
 in `CoreInputs.debug`) is answered before the next step with the core's debug
 snapshot under that id (`GET /debug/kvserve`: configuration, fresh metrics,
-recent request timelines): nothing of it crosses unless asked. Text never
+recent request timelines): nothing of it crosses unless asked; a profile
+command (`CoreInputs.profile`) is answered the same way. Text never
 crosses: tokenization, detokenization and stop strings are the API side's.
 
 Messages are msgspec structs encoded as msgpack. SamplingParams travel
@@ -49,6 +50,13 @@ class CoreJob(msgspec.Struct, array_like=True):
     requests: list[CoreRequest]
 
 
+class ProfileCommand(msgspec.Struct, array_like=True):
+    """POST /start_profile or /stop_profile (kvserve/engine/device_profile.py), answered
+    by one DebugReply under `query_id`."""
+    query_id: str
+    action: str                # "start" | "stop"
+
+
 class CoreInputs(msgspec.Struct, omit_defaults=True):
     """Everything the API side queued during one turn of its event loop.
 
@@ -57,6 +65,7 @@ class CoreInputs(msgspec.Struct, omit_defaults=True):
     adds: list[CoreJob] = []
     aborts: list[str] = []
     debug: list[str] = []      # query ids, each answered by one DebugReply
+    profile: list[ProfileCommand] = []
     shutdown: bool = False
 
 
@@ -81,7 +90,7 @@ class Rejection(msgspec.Struct, array_like=True):
 
 class DebugReply(msgspec.Struct, array_like=True):
     query_id: str
-    snapshot: dict[str, Any]   # kvserve.diagnose.endpoint.engine_snapshot
+    snapshot: dict[str, Any]   # kvserve.diagnose.endpoint.engine_snapshot, or a profile command's reply
 
 
 class CoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -24,6 +24,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.diagnose.endpoint import add_debug_routes
+from kvserve.server.profiling import add_profile_routes
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -78,6 +79,7 @@ def build_app(engine, served_model_name: str | Sequence[str], max_waiting_reques
     _add_error_handlers(app)
     _add_routes(app, handler, metrics, names)
     add_debug_routes(app, async_engine)  # GET /debug/kvserve (kvserve diagnose --url)
+    add_profile_routes(app, async_engine)  # POST /start_profile, /stop_profile (KVSERVE_TORCH_PROFILER_DIR)
     _add_middleware(app, options)
     vocab_size = async_engine.engine.model_config.vocab_size
     app.openapi = lambda: _openapi(app, vocab_size)
