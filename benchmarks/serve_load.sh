@@ -6,7 +6,9 @@
 #   N: requests of that run (default 768). env: OUT (result folder), EXTRA (more server flags),
 #   CLIENT_PROCESSES (client processes, default 4: one falls behind its schedule past ~60 req/s),
 #   PYSPY_SECONDS (py-spy the server and its engine-core process during the first run, 5 s in:
-#   collapsed stacks per thread in $OUT/pyspy_ENGINE.txt).
+#   collapsed stacks per thread in $OUT/pyspy_ENGINE.txt), PROFILE_SECONDS (POST /start_profile 8 s into
+#   the first run and /stop_profile that many seconds later: the server's torch.profiler trace in
+#   ${PROFILE_DIR:-$OUT}/prof_ENGINE; compare two with benchmarks/served_profile_compare.py).
 # vLLM comes from .vsite (../shared/peers/vllm/README.md); its site also carries kvserve's server deps.
 set -u
 engine=${1:?engine} dir=${2:?model dir} runs=${3:?runs}
@@ -19,6 +21,10 @@ if [ "$engine" = vllm ]; then
   cmd="python3 -m vllm.entrypoints.openai.api_server --served-model-name m $flags"
 else
   cmd="python3 -m kvserve.cli serve $flags"
+fi
+if [ -n "${PROFILE_SECONDS:-}" ]; then   # each engine's variable (vLLM's as of its VLLM_TORCH_PROFILER_DIR docs)
+  prof="${PROFILE_DIR:-$OUT}/prof_$engine"; rm -rf "$prof"; mkdir -p "$prof"
+  export KVSERVE_TORCH_PROFILER_DIR="$prof" VLLM_TORCH_PROFILER_DIR="$prof" VLLM_TORCH_PROFILER_WITH_STACK=0
 fi
 echo "\$ $cmd"; start=$(date +%s)
 $cmd > "$OUT/server_$engine.log" 2>&1 & server=$!
@@ -33,6 +39,11 @@ if [ -n "${PYSPY_SECONDS:-}" ]; then
   (sleep 5; py-spy record --pid $server --subprocesses --threads --nonblocking --format raw \
     --duration "$PYSPY_SECONDS" --rate 250 -o "$OUT/pyspy_$engine.txt" > "$OUT/pyspy.log" 2>&1) &
 fi
+if [ -n "${PROFILE_SECONDS:-}" ]; then
+  (sleep 8; curl -s -X POST "http://127.0.0.1:$port/start_profile"; sleep "$PROFILE_SECONDS"
+   curl -s --max-time 300 -X POST "http://127.0.0.1:$port/stop_profile"; echo) > "$OUT/profile_$engine.log" 2>&1 &
+  profiler=$!
+fi
 for run in $runs; do
   IFS=: read -r w r n <<< "$run"; n=${n:-768}
   echo "\$ kvserve bench serve --workload $w --num-prompts $n --request-rate $r --tokenizer $dir --max-len 8192 --client-processes ${CLIENT_PROCESSES:-4}"
@@ -40,4 +51,5 @@ for run in $runs; do
     --num-prompts "$n" --request-rate "$r" --tokenizer "$dir" --max-len 8192 --client-processes "${CLIENT_PROCESSES:-4}" \
     --save-json "$OUT/${engine}_${w}_${r}.json" 2>&1 | grep -E "^(=|Succ|Failed|Bench|Request thr|Send lag|latency|TTFT|ITL|E2E|Prefix|Preem|errors)" | cut -c1-160
 done
+[ -n "${profiler:-}" ] && wait "$profiler"   # the trace is written before the server goes
 kill $server; wait $server 2> /dev/null
