@@ -153,6 +153,20 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, match):
     assert llm.get_metrics()["num_requests_waiting"] == 0
 
 
+def test_array_prompts_are_plain_ints(llm):
+    """Token ids in a numpy array or a tensor are taken as the list of the same ints (the
+    request echoes Python ints); non-integer ids are still refused."""
+    import numpy as np
+    ids = random_prompts([12], seed=9)[0]
+    want = _gen(llm, [ids])[0]
+    for array in (np.array(ids, dtype=np.int64), torch.tensor(ids)):
+        got = _gen(llm, [array])[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.prompt_token_ids == ids and all(type(t) is int for t in got.prompt_token_ids)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        _gen(llm, [[float(t) for t in ids]])
+
+
 def test_bad_sampling_params():
     with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
         SamplingParams(max_tokens=0)

@@ -22,7 +22,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.cache.hashing import hash_block
 from kvserve.request import Request
 
 CANDIDATE_BLOCK_SIZES = (8, 16, 32, 64)
@@ -37,7 +36,7 @@ class RequestRecorder:
         self.base = math.gcd(block_size, 8)
         self.sizes = sorted({block_size, *(b for b in CANDIDATE_BLOCK_SIZES if b % self.base == 0)})
         self.max_seen = max_seen
-        self._seen: dict[bytes, None] = {}
+        self._seen: dict[int, None] = {}
         self.num_arrivals = 0
         self.num_prompt_tokens = 0
         self.reusable_tokens = {b: 0 for b in self.sizes}
@@ -54,9 +53,11 @@ class RequestRecorder:
     def _observe_prefix(self, tokens: list[int]) -> int:
         """Tokens of `tokens` (whole chunks) already seen as an earlier prefix;
         records every chunk as seen."""
-        parent, run, matching = None, 0, True
+        # Python's tuple hash chains the chunks (3x cheaper than the cache's xxh3 of packed ids, whose
+        # 128 bits guard real hits; an estimate can live with 64): an 8K-token prompt ~0.15 ms.
+        parent, run, matching = 0, 0, True
         for start in range(0, len(tokens) - self.base + 1, self.base):
-            parent = hash_block(parent, tokens[start:start + self.base])
+            parent = hash((parent, *tokens[start:start + self.base]))
             if matching and parent in self._seen:
                 run += self.base
                 continue

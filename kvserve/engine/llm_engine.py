@@ -93,7 +93,7 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.encode_prompt(prompt)
-        token_ids = list(prompt)
+        token_ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)   # an array: Python ints
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         return None, token_ids

@@ -91,7 +91,8 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 def _prompt_value(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            ids = prompt["prompt_token_ids"]
+            return ids.tolist() if hasattr(ids, "tolist") else list(ids)   # an array: Python ints
         if "prompt" in prompt:
             return prompt["prompt"]
         raise ValueError(f"prompt dicts need 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
