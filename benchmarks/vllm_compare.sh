@@ -24,6 +24,11 @@
 #                                                     start-up; BURST=0 skips it); with OFFLINE=1 its
 #                                                     offline seed scenarios
 #   stage 7  carry [".dummy-qwen3-8b"]:               kvserve's offline seed scenarios alone (after stage 3)
+#   stage 8  (no carry needed):                       the Gluon probes on the GPU (benchmarks/gluon_*_probe.py:
+#                                                     each variant checked against float32, then timed)
+#   stage 9  (after stages 4 and 5 with PROFILE_SECONDS=N): the two servers' /start_profile windows
+#                                                     side by side (benchmarks/served_profile_compare.py);
+#                                                     the traces wait in $PROFILE_DIR (default /tmp/served_profiles)
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -32,12 +37,13 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|2|3|4|5|6|7 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|9 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
 ide-completion:40:384 ide-completion:80:768 ide-completion:100:768"}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PROFILE_DIR=${PROFILE_DIR:-/tmp/served_profiles}   # serve_load.sh's, kept between calls
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # The GPU-marked tests of the given files. Files that import the server's or the tools' packages
 # (fastapi, openai: not on the device image) fail to collect; they hold no GPU tests.
@@ -97,5 +103,13 @@ case $stage in
     [ "${OFFLINE:-0}" = 1 ] && offline vllm 380 ;;
   7)
     offline kvserve 200 ;;
-  *) echo "stage must be 1 to 7"; exit 2 ;;
+  8)
+    for probe in benchmarks/gluon_*_probe.py; do   # a variant that hangs (an mbarrier ring) is killed after 60 s
+      PYTHONPATH=$PWD:$PWD/benchmarks timeout 400 python3 "$probe" --timeout 60 2>&1 | grep -v -i warn | tail -40 \
+        | tee "$OUT/$(basename "$probe" .py).txt"
+    done ;;
+  9)
+    PYTHONPATH=$PWD python3 benchmarks/served_profile_compare.py "$PROFILE_DIR/prof_kvserve" "$PROFILE_DIR/prof_vllm" \
+      2>&1 | tee "$OUT/served_profile_compare.txt" ;;
+  *) echo "stage must be 1 to 9"; exit 2 ;;
 esac
