@@ -63,3 +63,33 @@ def test_without_the_directory_the_routes_do_not_exist(monkeypatch):
         assert client.post("/start_profile").status_code == 404
         assert client.post("/stop_profile").status_code == 404
         _complete(client, 2)                         # the server is otherwise unchanged
+
+
+def test_a_failing_profiler_fails_the_command_not_the_server(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(ENV, str(blocker))            # the profile directory cannot be made
+    with _client() as client:
+        response = client.post("/start_profile")
+        assert response.status_code == 400 and "the profiler failed" in response.json()["error"]["message"]
+        assert _complete(client, 3)["usage"]["completion_tokens"] == 3
+        assert client.get("/health").status_code == 200
+
+
+def test_queries_waiting_when_the_core_stops_fail_at_once():
+    """A debug or profile query in flight when the core exits gets the exit's reason, not its
+    timeout (the route answers 503 at once)."""
+    import asyncio
+
+    from kvserve.engine.core_client import DebugQueries
+
+    async def scenario():
+        queries, exits = DebugQueries(), []
+        on_exit = queries.failing(exits.append)
+        asking = asyncio.ensure_future(queries.ask(lambda inputs: None, timeout_s=60))
+        await asyncio.sleep(0)
+        on_exit("the engine core process exited with code 1")
+        with pytest.raises(RuntimeError, match="exited with code 1"):
+            await asyncio.wait_for(asking, 5)
+        assert exits == ["the engine core process exited with code 1"]
+    asyncio.run(scenario())

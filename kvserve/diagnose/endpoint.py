@@ -59,4 +59,6 @@ def add_debug_routes(app, async_engine) -> None:
         except asyncio.TimeoutError:
             raise APIError(503, f"the engine core did not answer within {SNAPSHOT_TIMEOUT_S:.0f} s",
                            type="internal_server_error") from None
+        except RuntimeError as e:   # the core stopped while the query waited
+            raise APIError(503, f"the engine is not running: {e}", type="internal_server_error") from None
         return {**snapshot, "requests": request_records(snapshot["requests"])}

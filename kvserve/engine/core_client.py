@@ -61,6 +61,17 @@ class DebugQueries:
         finally:
             self._waiting.pop(query_id, None)
 
+    def failing(self, on_exit: OnExit) -> OnExit:
+        """on_exit, after failing every query still waiting: a core that died answers none
+        of them, and a route must not wait out its timeout for it."""
+        def fail(reason: str) -> None:
+            waiting, self._waiting = self._waiting, {}
+            for future in waiting.values():
+                if not future.done():
+                    future.set_exception(RuntimeError(reason))
+            on_exit(reason)
+        return fail
+
     def answering(self, on_outputs: OnOutputs) -> OnOutputs:
         """on_outputs, after resolving the debug replies a message carries."""
         def deliver(message: CoreOutputs) -> None:
@@ -87,7 +98,8 @@ class ThreadCoreClient:
         loop = asyncio.get_running_loop()
         on_outputs = self._debug.answering(on_outputs)
         self._transport = ThreadTransport(lambda out: _call_soon(loop, on_outputs, out))
-        self._thread = threading.Thread(target=self._run, args=(loop, on_exit), name="kvserve-engine",
+        self._thread = threading.Thread(target=self._run, args=(loop, self._debug.failing(on_exit)),
+                                        name="kvserve-engine",
                                         daemon=True)
         self._thread.start()
 
@@ -172,8 +184,8 @@ class ProcessCoreClient:
     def start(self, on_outputs: OnOutputs, on_exit: OnExit) -> None:
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read(self._debug.answering(on_outputs)))
-        threading.Thread(target=self._watch, args=(loop, on_exit), name="kvserve-core-watch",
-                         daemon=True).start()
+        threading.Thread(target=self._watch, args=(loop, self._debug.failing(on_exit)),
+                         name="kvserve-core-watch", daemon=True).start()
 
     async def _read(self, on_outputs: OnOutputs) -> None:
         while True:

@@ -135,7 +135,8 @@ class EngineCore:
             self.engine.abort_request(request_id)
         if message.debug:   # built only when asked: never on the step path
             replies.debug.extend(DebugReply(q, engine_snapshot(self.engine)) for q in message.debug)
-        replies.debug.extend(DebugReply(c.query_id, self._profile_command(c)) for c in message.profile)
+        if message.profile:
+            replies.debug.extend(DebugReply(c.query_id, self._profile_command(c)) for c in message.profile)
         if (message.adds or message.aborts) and self._idle_reported:
             self._idle_reported = False
             self._last_metrics = float("-inf")   # the first busy step reports: no idle snapshot outlives it
@@ -144,7 +145,11 @@ class EngineCore:
         if self._device_profiler is None:
             return {"error": "profiling is off in the engine core: start the server with "
                              "KVSERVE_TORCH_PROFILER_DIR set"}
-        return self._device_profiler.command(command.action, self.engine.stats.num_steps)
+        try:
+            return self._device_profiler.command(command.action, self.engine.stats.num_steps)
+        except Exception as e:  # a profiler that fails (a full disk, say) fails the command, not the core
+            logger.exception("profiler command %r failed", command.action)
+            return {"error": f"the profiler failed: {type(e).__name__}: {e}"}
 
     def _add(self, job: CoreJob, replies: CoreOutputs) -> None:
         try:

@@ -10,12 +10,15 @@ lands on the profiled steps only.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ENV = "KVSERVE_TORCH_PROFILER_DIR"
 TABLE_ROWS = 60
@@ -44,9 +47,13 @@ class CoreProfiler:
         return {"error": f"unknown profiler action {action!r} (expected 'start' or 'stop')"}
 
     def close(self, num_steps: int) -> None:
-        """At the core's exit: a session still running is written out, not lost."""
+        """At the core's exit: a session still running is written out, not lost (nor allowed
+        to hide the exit's own error)."""
         if self._session is not None:
-            self._stop(num_steps)
+            try:
+                self._stop(num_steps)
+            except Exception:  # noqa: BLE001 - logged; the core is exiting either way
+                logger.exception("writing the running profile at exit failed")
 
     def _start(self, num_steps: int) -> dict[str, Any]:
         if self._session is not None:

@@ -28,6 +28,8 @@ def add_profile_routes(app, async_engine) -> None:
         except asyncio.TimeoutError:
             raise APIError(503, f"the engine core did not answer within {PROFILE_TIMEOUT_S:.0f} s",
                            type="internal_server_error") from None
+        except RuntimeError as e:   # the core stopped while the command waited
+            raise APIError(503, f"the engine is not running: {e}", type="internal_server_error") from None
         if "error" in reply:
             raise APIError(400, reply["error"])
         return reply
