@@ -35,7 +35,9 @@ over steps as they do in a server, and every timed step is a decode of all N.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
+import os
 import json
 import random
 import statistics
@@ -174,6 +176,22 @@ def set_up_as_served(engine: LLMEngine) -> None:
     freeze_startup_heap()
 
 
+# CUDA's context scheduling flags (CU_CTX_SCHED_*): how a host thread waits for the device.
+WAIT_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
+
+
+def set_wait_mode(mode: str) -> None:
+    """Set the primary context's scheduling flag before torch creates the
+    context: "spin" keeps the waiting thread on its core, "blocking" sleeps it.
+    The default ("auto") spins while the process has fewer contexts than cores."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
+    device = ctypes.c_int()
+    for rc in (driver.cuInit(0), driver.cuDeviceGet(ctypes.byref(device), 0), set_flags(device, WAIT_FLAGS[mode])):
+        if rc:
+            raise RuntimeError(f"CUDA driver call failed with {rc} setting the wait mode {mode!r}")
+
+
 def add_requests(engine: LLMEngine, n: int, a: argparse.Namespace) -> None:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -190,6 +208,8 @@ def all_decoding(engine: LLMEngine, n: int) -> bool:
 
 def measure(a: argparse.Namespace, n: int) -> dict[str, float]:
     engine = build_engine(a, n)
+    if a.pin_core is not None:   # this thread (the engine's) alone; threads started before keep theirs
+        os.sched_setaffinity(0, {a.pin_core})
     timer = StepTimer()
     undos = [instrument(engine, timer)] + ([instrument_parts(engine, timer)] if a.parts else [])
     try:
@@ -335,14 +355,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the callables inside the parts (PARTS): us and calls per step")
     p.add_argument("--stub-forward", action="store_true",
                    help="zeros instead of the transformer layers (host parts unchanged)")
+    p.add_argument("--wait-mode", choices=sorted(WAIT_FLAGS), default=None,
+                   help="CUDA: how the host thread waits for the device (the context's scheduling flag); "
+                        "unset: torch's default (auto)")
+    p.add_argument("--pin-core", type=int, default=None,
+                   help="pin the engine's thread to this CPU core once the engine is built")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.wait_mode is not None:
+        set_wait_mode(a.wait_mode)
     rows = {n: measure(a, n) for n in (int(x) for x in a.running.split(","))}
     print(f"model={a.model} device={a.device} prompt_len={a.prompt_len}(+0..{a.block_size - 1}) "
-          f"block_size={a.block_size} steps={a.steps} stub_forward={a.stub_forward}")
+          f"block_size={a.block_size} steps={a.steps} stub_forward={a.stub_forward} "
+          f"wait_mode={a.wait_mode or 'default'} pin_core={a.pin_core}")
     print_table(rows, a.stat)
 
 

@@ -244,13 +244,22 @@ def test_large_eager_steps_tile_config(block_size, seqs):
         assert err < TOL, (spec, err)
 
 
-def _spy_tma(monkeypatch) -> list[bool]:
-    """Each launch of the TMA prefill path from `mixed_attention`, as its `cached_prefixes`."""
+def _spy_tma(monkeypatch, gluon: bool = False) -> list[bool]:
+    """Each launch of the TMA prefill path from `mixed_attention`, as its `cached_prefixes`,
+    whichever kernel runs it. The TMA path's Gluon kernel is switched off unless `gluon`:
+    these tests hold the Triton kernel (tests/test_prefill_gluon.py the Gluon one)."""
     from kvserve.attention.kernels import mixed
     calls = []
-    real = mixed.prefill_attention_tma
+    if not gluon:
+        monkeypatch.setitem(mixed._GLUON_OFF, "reason", "the Triton kernel under test")
+    real, real_gluon = mixed.prefill_attention_tma, mixed.gluon_prefill
     monkeypatch.setattr(mixed, "prefill_attention_tma",
                         lambda *a, **kw: calls.append(kw["cached_prefixes"]) or real(*a, **kw))
+
+    def spied_gluon(q, kv_cache):
+        kernel = real_gluon(q, kv_cache)
+        return kernel and (lambda *a, **kw: calls.append(kw["cached_prefixes"]) or kernel(*a, **kw))
+    monkeypatch.setattr(mixed, "gluon_prefill", spied_gluon)
     return calls
 
 
@@ -358,6 +367,7 @@ def test_tma_prefill_leaves_other_steps_alone(monkeypatch):
     keep the paged kernel."""
     from kvserve.attention.kernels import mixed
     monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: pytest.fail("TMA path taken"))
+    monkeypatch.setattr(mixed, "gluon_prefill", lambda *a: pytest.fail("TMA path taken (Gluon)"))
     assert check_attention(TMA_STEP, SlidingWindowSpec(window=45), 16, heads=32, kv_heads=8, fresh_kv=True) < TOL
     assert check_attention(MIXED, FullAttentionSpec(), 16, heads=32, kv_heads=8, fresh_kv=True) < TOL
     assert check_attention(TMA_STEP, FullAttentionSpec(), 16, heads=32, kv_heads=8) < TOL

@@ -19,7 +19,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
 from kvserve.attention.kernels.mixed import (TMA_MIN_FRESH_SHARE, TMA_MIN_LONGEST_CHUNK,
-                                             TMA_SHORT_CHUNKS_PAGED_BELOW, takes_tma)
+                                             short_chunk_bound, takes_tma)
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -43,13 +43,11 @@ class TritonAttentionBackend:
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)
         fresh_kv = (k, v) if _takes_fresh_kv(meta, layer.head_dim, window) else None
+        cached_prefixes = fresh_kv is None or meta.fresh_key_share() < 1.0
+        paged_below = short_chunk_bound(q, kv_cache, cached_prefixes) if fresh_kv is not None else 0
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
-                               tiles=meta.prefill_tiles, fresh_kv=fresh_kv,
-                               cached_prefixes=fresh_kv is None or meta.fresh_key_share() < 1.0,
-                               paged_below=TMA_SHORT_CHUNKS_PAGED_BELOW,
-                               longest_paged=meta.longest_chunk_below(TMA_SHORT_CHUNKS_PAGED_BELOW)
-                               if fresh_kv is not None else 0)
-
+                               tiles=meta.prefill_tiles, fresh_kv=fresh_kv, cached_prefixes=cached_prefixes,
+                               paged_below=paged_below, longest_paged=meta.longest_chunk_below(paged_below))
 
 def _takes_fresh_kv(meta: AttentionMetadata, head_dim: int, window: int | None) -> bool:
     """Whether a step hands its own K/V to the TMA prefill path: an eager step the path

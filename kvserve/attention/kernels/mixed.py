@@ -13,12 +13,19 @@ before this runs (`reshape_and_cache`).
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from typing import Callable
+
 import torch
 
 from kvserve.attention.kernels.decode import decode_attention
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
 from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
 from kvserve.attention.metadata import PrefillTiles
+
+logger = logging.getLogger(__name__)
 
 # An eager step of many prompt tokens (graphs keep the default: their tile tables are built
 # for it) runs 256-row tiles of 64 keys on 8 warps: 4-16% faster than the default at a served
@@ -42,6 +49,47 @@ TMA_MIN_LONGEST_CHUNK = 2048
 # mixed burst's prompts it spent 581 ms in attention against 546 with all chunks in the TMA
 # kernel (H200, eb946d1; `benchmarks/burst_attention_ab.py`, whose "split" policy sets 2,048).
 TMA_SHORT_CHUNKS_PAGED_BELOW = 0
+
+
+# The TMA path runs the warp-specialized Gluon kernel (`prefill_gluon.py`) where it serves the
+# launch, else the Triton one. KVSERVE_GLUON_PREFILL=0 keeps the Triton kernel (A/B runs); a
+# Gluon kernel that fails to build at warm-up switches itself off (`disable_gluon`).
+_GLUON_OFF = {"reason": "KVSERVE_GLUON_PREFILL=0" if os.environ.get("KVSERVE_GLUON_PREFILL") == "0" else None}
+
+
+@functools.cache
+def _gluon_module():
+    """The Gluon kernel's module, or None where this Triton lacks Gluon's Hopper API."""
+    try:
+        from kvserve.attention.kernels import prefill_gluon
+    except (ImportError, AttributeError) as e:
+        logger.info("Gluon prefill kernel unavailable (%s): the TMA path runs the Triton kernel", e)
+        return None
+    return prefill_gluon
+
+
+def gluon_prefill(q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """`prefill_attention_gluon` where it serves this launch's shapes and is on; else None."""
+    if _GLUON_OFF["reason"] is not None:
+        return None
+    module = _gluon_module()
+    if module is None or not module.supports_gluon(q, kv_cache):
+        return None
+    return module.prefill_attention_gluon
+
+
+def disable_gluon(reason: str) -> None:
+    logger.warning("Gluon prefill kernel switched off (%s): the TMA path runs the Triton kernel", reason)
+    _GLUON_OFF["reason"] = reason
+
+
+def short_chunk_bound(q: torch.Tensor, kv_cache: torch.Tensor, cached_prefixes: bool) -> int:
+    """On the TMA path, prompt chunks shorter than this go to the paged kernel: the Gluon
+    kernel's prefix tiles read whole pages, so with cached prefixes it takes chunks of a
+    page or more (`prefill_gluon.py`); otherwise TMA_SHORT_CHUNKS_PAGED_BELOW."""
+    if cached_prefixes and q.is_cuda and gluon_prefill(q, kv_cache) is not None:
+        return max(TMA_SHORT_CHUNKS_PAGED_BELOW, kv_cache.shape[2])
+    return TMA_SHORT_CHUNKS_PAGED_BELOW
 
 
 def takes_tma(num_tokens: int, head_dim: int, window: int | None) -> bool:
@@ -77,9 +125,8 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     if eager_default and fresh_kv is not None and takes_tma(q.shape[0], q.shape[-1], window) \
             and supports_tma(q, *fresh_kv, kv_cache):
         split = paged_below if longest_paged else 0
-        prefill_attention_tma(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens,
-                              max_query_len, scale, single_queries=False, cached_prefixes=cached_prefixes,
-                              from_length=split)
+        _tma_prefill(q, fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens, max_query_len, scale,
+                     cached_prefixes, split, paged_below)
         if not split:
             return out
         return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, longest_paged,
@@ -90,6 +137,21 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens,
                              max_query_len, scale, window, sink, config=prefill_config, tiles=tiles,
                              single_queries=False, max_seq_len=max_seq_len)
+
+
+def _tma_prefill(q, fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens, max_query_len: int,
+                 scale: float, cached_prefixes: bool, split: int, paged_below: int) -> None:
+    """The TMA path's kernel over the prompt rows of `split` tokens or more: Gluon where it
+    serves the launch (with cached prefixes, only when shorter chunks are sent elsewhere:
+    `short_chunk_bound`), else Triton's."""
+    gluon = gluon_prefill(q, kv_cache)
+    if gluon is not None and (not cached_prefixes or paged_below >= kv_cache.shape[2]):
+        gluon(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens, max_query_len, scale,
+              cached_prefixes=cached_prefixes, min_q_len=max(split, 2))
+    else:
+        prefill_attention_tma(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens,
+                              max_query_len, scale, single_queries=False, cached_prefixes=cached_prefixes,
+                              from_length=split)
 
 
 def _eager_config(q: torch.Tensor, kv_cache: torch.Tensor, window: int | None) -> PrefillConfig:

@@ -24,8 +24,8 @@ import torch
 from kvserve.attention.backend import AttentionLayerInfo
 from kvserve.attention.kernels.decode import MAX_SPLITS as DECODE_MAX_SPLITS
 from kvserve.attention.kernels.decode import DecodeConfig, decode_attention
-from kvserve.attention.kernels.mixed import (LARGE_TILES, LARGE_TILES_MIN_TOKENS, TMA_MIN_TOKENS, takes_large_tiles,
-                                             takes_tma)
+from kvserve.attention.kernels.mixed import (LARGE_TILES, LARGE_TILES_MIN_TOKENS, TMA_MIN_TOKENS, disable_gluon,
+                                             gluon_prefill, takes_large_tiles, takes_tma)
 from kvserve.attention.kernels.prefill import MAX_SPLITS as PREFILL_MAX_SPLITS
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
 from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
@@ -89,6 +89,22 @@ def _warm_tma(batch: "_TinyBatch", scale: float, window: int | None) -> int:
     for cached_prefixes in (True, False):
         prefill_attention_tma(q, k, k, kv_cache, out, tables, starts, seq_lens, PREFILL_QUERY, scale,
                               single_queries=False, cached_prefixes=cached_prefixes)
+    return 2 + _warm_gluon(q, k, kv_cache, out, tables, starts, seq_lens, scale)
+
+
+def _warm_gluon(q, k, kv_cache, out, tables, starts, seq_lens, scale: float) -> int:
+    """The TMA path's Gluon kernel, both builds, where it serves this shape; one that fails
+    to build switches the Gluon kernel off (the Triton kernel serves instead)."""
+    gluon = gluon_prefill(q, kv_cache)
+    if gluon is None:
+        return 0
+    try:
+        for cached_prefixes in (True, False):
+            gluon(q, k, k, kv_cache, out, tables, starts, seq_lens, PREFILL_QUERY, scale,
+                  cached_prefixes=cached_prefixes)
+    except Exception as e:  # noqa: BLE001 - any build failure: the Triton kernel serves instead
+        disable_gluon(f"{type(e).__name__}: {str(e)[:500]}")
+        return 0
     return 2
 
 

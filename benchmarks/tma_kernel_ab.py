@@ -1,0 +1,71 @@
+"""The TMA path's two kernels side by side: Triton (`prefill_tma.py`) against Gluon (`prefill_gluon.py`).
+
+Qwen3-8B heads (32 / 8, head_dim 128), bf16, block size 16, on the shapes of a served 8K-token
+eager step: fresh prompts (1 x 8,192, 2 x 4,096, 8 x 1,024, the mixed burst's ragged step), chunks
+after cached prefixes, and a burst step with some cached file prefixes. Each row prints both
+kernels' times (do_bench_cudagraph), the Gluon/Triton ratio, and the relative difference of their
+outputs (the GPU tests check each against a float32 reference).
+
+    python3 benchmarks/tma_kernel_ab.py
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from kvserve.attention.kernels.prefill_gluon import prefill_attention_gluon
+from kvserve.attention.kernels.prefill_tma import prefill_attention_tma
+from prefill_headroom import HEAD_DIM, HEADS, KV_HEADS, RAGGED, RAGGED_PREFIXED, ragged_cache
+
+# (cached prefix, new tokens) rows of one step
+STEPS = {"1 x 8192": [(0, 8192)], "2 x 4096": [(0, 4096)] * 2, "8 x 1024": [(0, 1024)] * 8,
+         "burst ragged": [(0, n) for n in RAGGED], "1 x 4096 after 4096": [(4096, 4096)],
+         "2 x 2048 after 2000": [(2000, 2048)] * 2, "4 x 512 after 1504": [(1504, 512)] * 4,
+         "3 x 1000 after 7000": [(7000, 1000)] * 3, "burst with prefixes": RAGGED_PREFIXED[:-1]}
+
+
+def step_inputs(rows: list[tuple[int, int]]):
+    """q and this step's k/v (the chunks' rows), the cache holding prefixes and chunks, the metadata."""
+    totals = [p + n for p, n in rows]
+    k_all, v_all = torch.randn(2, sum(totals), KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    cache, table = ragged_cache(k_all, v_all, totals)
+    fresh = torch.cat([torch.arange(a + p, a + p + n) for a, (p, n) in
+                       zip(itertools.accumulate([0] + totals[:-1]), rows)]).cuda()
+    news = [n for _, n in rows]
+    q = torch.randn(sum(news), HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    starts = torch.tensor([0] + list(itertools.accumulate(news)), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(totals, dtype=torch.int32, device="cuda")
+    return q, k_all[fresh], v_all[fresh], cache, table, starts, lens, max(news)
+
+
+def compare(label: str, rows: list[tuple[int, int]]) -> None:
+    torch.manual_seed(0)
+    q, k, v, cache, table, starts, lens, top = step_inputs(rows)
+    prefixes = any(p for p, _ in rows)
+    outs = [torch.full_like(q, float("nan")) for _ in range(2)]
+    runs = [lambda: prefill_attention_tma(q, k, v, cache, outs[0], table, starts, lens, top, HEAD_DIM ** -0.5,
+                                          single_queries=False, cached_prefixes=prefixes),
+            lambda: prefill_attention_gluon(q, k, v, cache, outs[1], table, starts, lens, top, HEAD_DIM ** -0.5,
+                                            cached_prefixes=prefixes)]
+    for run in runs:
+        run()
+    diff = ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item()
+    us = [do_bench_cudagraph(run, rep=100) * 1e3 for run in runs]
+    flops = sum(4 * HEADS * HEAD_DIM * (n * p + n * (n + 1) // 2) for p, n in rows)
+    print(f"{label:<22} triton {us[0]:8.1f} us {flops / us[0] / 1e6:6.1f} TFLOP/s   gluon {us[1]:8.1f} us "
+          f"{flops / us[1] / 1e6:6.1f} TFLOP/s   gluon/triton {us[1] / us[0]:.3f}   rel diff {diff:.1e}", flush=True)
+
+
+def main() -> None:
+    print(f"device: {torch.cuda.get_device_name()}")
+    for label, rows in STEPS.items():
+        try:
+            compare(label, rows)
+        except Exception as e:  # noqa: BLE001 - a shape that fails is a row
+            print(f"{label:<22} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
