@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_scenarios import ENGINE_ARGS, scenario_requests  # noqa: E402
 
-from kvserve.attention import triton_backend  # noqa: E402
+from kvserve.attention.kernels import mixed  # noqa: E402
 from kvserve.bench.profile import kernel_kind, kernel_rows, profiled_run  # noqa: E402
 
 BURST, SERVED = 229, 256
-POLICIES = {  # (TMA_MIN_LONGEST_CHUNK, TMA_SHORT_CHUNKS_PAGED_BELOW) in the backend
+POLICIES = {  # (the TMA path's longest-chunk gate, TMA_SHORT_CHUNKS_PAGED_BELOW), kernels/mixed.py
     "paged": (1 << 30, 0),
     "tma-longest": (2048, 0),
     "tma-all": (0, 0),
@@ -45,7 +45,8 @@ POLICIES = {  # (TMA_MIN_LONGEST_CHUNK, TMA_SHORT_CHUNKS_PAGED_BELOW) in the bac
 
 
 def set_policy(name: str) -> None:
-    triton_backend.TMA_MIN_LONGEST_CHUNK, triton_backend.TMA_SHORT_CHUNKS_PAGED_BELOW = POLICIES[name]
+    longest, mixed.TMA_SHORT_CHUNKS_PAGED_BELOW = POLICIES[name]
+    mixed.TMA_MIN_LONGEST_CHUNK = mixed.GLUON_MIN_LONGEST_CHUNK = longest
 
 
 def timed(llm, prompts, params) -> float:

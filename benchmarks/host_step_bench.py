@@ -27,7 +27,8 @@ part's time goes, without a profiler's per-call overhead.
 Each engine is set up as `kvserve serve`'s engine core sets up its own
 (`set_up_as_served`: one torch CPU thread on CUDA, the start-up heap frozen
 against the garbage collector); `--as-built` leaves it as built, as the
-records before this set-up measured.
+records before this set-up measured. `--wait-mode` sets how the engine's thread waits for the
+GPU (`kvserve/runner/cuda_wait.py`; records before 2026-12-04 ran CUDA's default, "auto").
 
 Requests are staggered in prompt length so block-boundary allocations spread
 over steps as they do in a server, and every timed step is a decode of all N.
@@ -35,7 +36,6 @@ over steps as they do in a server, and every timed step is a decode of all N.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import json
@@ -53,6 +53,7 @@ from kvserve.engine.core_process import EngineCore, limit_host_threads
 from kvserve.engine.gc_heap import freeze_startup_heap
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.runner import batch, model_runner
+from kvserve.runner.cuda_wait import DEFAULT_WAIT, WAIT_FLAGS
 from kvserve.runner.model_runner import InFlightStep
 from kvserve.sampling_params import SamplingParams
 
@@ -174,22 +175,6 @@ def set_up_as_served(engine: LLMEngine) -> None:
     collector's passes skip it. `measure` unfreezes it."""
     limit_host_threads(engine)
     freeze_startup_heap()
-
-
-# CUDA's context scheduling flags (CU_CTX_SCHED_*): how a host thread waits for the device.
-WAIT_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
-
-
-def set_wait_mode(mode: str) -> None:
-    """Set the primary context's scheduling flag before torch creates the
-    context: "spin" keeps the waiting thread on its core, "blocking" sleeps it.
-    The default ("auto") spins while the process has fewer contexts than cores."""
-    driver = ctypes.CDLL("libcuda.so.1")
-    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
-    device = ctypes.c_int()
-    for rc in (driver.cuInit(0), driver.cuDeviceGet(ctypes.byref(device), 0), set_flags(device, WAIT_FLAGS[mode])):
-        if rc:
-            raise RuntimeError(f"CUDA driver call failed with {rc} setting the wait mode {mode!r}")
 
 
 def add_requests(engine: LLMEngine, n: int, a: argparse.Namespace) -> None:
@@ -356,8 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stub-forward", action="store_true",
                    help="zeros instead of the transformer layers (host parts unchanged)")
     p.add_argument("--wait-mode", choices=sorted(WAIT_FLAGS), default=None,
-                   help="CUDA: how the host thread waits for the device (the context's scheduling flag); "
-                        "unset: torch's default (auto)")
+                   help="CUDA: how the host thread waits for the device (KVSERVE_CUDA_WAIT, the context's "
+                        f"scheduling flag; unset: the engine's, {DEFAULT_WAIT!r} unless the environment says)")
     p.add_argument("--pin-core", type=int, default=None,
                    help="pin the engine's thread to this CPU core once the engine is built")
     return p.parse_args(argv)
@@ -366,11 +351,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if a.wait_mode is not None:
-        set_wait_mode(a.wait_mode)
+        os.environ["KVSERVE_CUDA_WAIT"] = a.wait_mode   # the engine sets it on the context it starts
     rows = {n: measure(a, n) for n in (int(x) for x in a.running.split(","))}
     print(f"model={a.model} device={a.device} prompt_len={a.prompt_len}(+0..{a.block_size - 1}) "
           f"block_size={a.block_size} steps={a.steps} stub_forward={a.stub_forward} "
-          f"wait_mode={a.wait_mode or 'default'} pin_core={a.pin_core}")
+          f"wait_mode={a.wait_mode or os.environ.get('KVSERVE_CUDA_WAIT', DEFAULT_WAIT)} pin_core={a.pin_core}")
     print_table(rows, a.stat)
 
 

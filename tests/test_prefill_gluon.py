@@ -92,6 +92,23 @@ def test_backend_runs_the_gluon_kernel_with_prefixes(monkeypatch):
     assert _rel_err(out, ref, meta) < TOL
 
 
+@pytest.mark.parametrize("seqs", [[(3000, 1200), (0, 900), (7000, 1)], [(0, 1024)] * 3],
+                         ids=["prefix-heavy", "short-chunks"])
+def test_gluon_takes_the_steps_the_triton_gates_keep_paged(seqs, monkeypatch):
+    """Steps mostly over cached prefixes, or of short chunks only, keep the paged kernel under the
+    Triton kernel's gates (tests/test_triton_kernels.py); the Gluon kernel has none
+    (`mixed.tma_gates`): they take it, and match the reference."""
+    calls = _gluon_taken(monkeypatch)
+    spec = FullAttentionSpec()
+    meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 32, 8, 128, "cuda", torch.Generator().manual_seed(4))
+    layer = _layer(spec, 32, 8, 128)
+    ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
+    k, v = _packed_views(q, k, v)
+    out = get_backend("triton").forward(q, k, v, kv_cache, layer, meta)
+    assert calls == [any(p for p, n in seqs if n > 1)]
+    assert _rel_err(out, ref, meta) < TOL
+
+
 def test_gluon_off_switch(monkeypatch):
     """KVSERVE_GLUON_PREFILL=0 (or a failed warm-up build) keeps the Triton kernel."""
     from kvserve.attention.kernels import mixed

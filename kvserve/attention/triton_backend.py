@@ -18,8 +18,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
-from kvserve.attention.kernels.mixed import (TMA_MIN_FRESH_SHARE, TMA_MIN_LONGEST_CHUNK,
-                                             short_chunk_bound, takes_tma)
+from kvserve.attention.kernels.mixed import short_chunk_bound, takes_tma, tma_gates
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -42,20 +41,23 @@ class TritonAttentionBackend:
             return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink,
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)
-        fresh_kv = (k, v) if _takes_fresh_kv(meta, layer.head_dim, window) else None
+        fresh_kv = (k, v) if _takes_fresh_kv(meta, q, kv_cache, window) else None
         cached_prefixes = fresh_kv is None or meta.fresh_key_share() < 1.0
         paged_below = short_chunk_bound(q, kv_cache, cached_prefixes) if fresh_kv is not None else 0
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
                                tiles=meta.prefill_tiles, fresh_kv=fresh_kv, cached_prefixes=cached_prefixes,
                                paged_below=paged_below, longest_paged=meta.longest_chunk_below(paged_below))
 
-def _takes_fresh_kv(meta: AttentionMetadata, head_dim: int, window: int | None) -> bool:
+def _takes_fresh_kv(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    window: int | None) -> bool:
     """Whether a step hands its own K/V to the TMA prefill path: an eager step the path
-    serves (`takes_tma`, which `mixed_attention` checks again with the device), and enough
-    of its attention over the chunks' own keys (with long cached prefixes the paged
-    kernel reads those better)."""
-    return (meta.prefill_tiles is None and takes_tma(meta.num_tokens, head_dim, window)
-            and meta.max_query_len >= TMA_MIN_LONGEST_CHUNK and meta.fresh_key_share() >= TMA_MIN_FRESH_SHARE)
+    serves (`takes_tma`, which `mixed_attention` checks again with the device), whose longest
+    chunk and share of attention over the chunks' own keys pass the path's kernel's gates
+    (`tma_gates`: with long cached prefixes the paged kernel may read those better)."""
+    if meta.prefill_tiles is not None or not takes_tma(meta.num_tokens, q.shape[-1], window):
+        return False
+    longest, share = tma_gates(q, kv_cache)
+    return meta.max_query_len >= longest and meta.fresh_key_share() >= share
 
 
 def mask_bounds(layer: AttentionLayerInfo) -> tuple[int | None, int]:

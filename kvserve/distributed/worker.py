@@ -39,6 +39,8 @@ def run_worker(args: EngineArgs, rank: int, size: int, port: int, device_type: s
 
 def _rank_device(device_type: str, rank: int, size: int) -> torch.device:
     if device_type == "cuda":
+        from kvserve.runner.cuda_wait import set_cuda_wait
+        set_cuda_wait(torch.device("cuda", rank))   # before set_device starts the context
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     # CPU ranks share the cores (tests): no rank should oversubscribe them.

@@ -20,6 +20,7 @@ from kvserve.cache.host_tier import HostTier
 from kvserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from kvserve.model.config import ModelConfig
 from kvserve.model.loaders import ResolvedModel, build_model, resolve_dtype, resolve_model
+from kvserve.runner.cuda_wait import set_cuda_wait
 from kvserve.runner.memory import kv_budget_bytes, profile_peak_bytes
 from kvserve.runner.model_runner import KVLayout, ModelRunner
 from kvserve.scheduler import PreemptionCosts, Scheduler
@@ -66,6 +67,7 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     from kvserve.model.deepseek_v4.engine import build_v4_engine_parts, is_v4_model
+    set_cuda_wait(resolve_device(args.device))   # before anything starts the GPU's context
     if is_v4_model(args.model):  # per-group V4 pages and its own runner
         if args.tensor_parallel_size > 1:
             raise ValueError(f"DeepSeek V4 is not supported with tensor parallelism yet "

@@ -51,6 +51,13 @@ TMA_MIN_LONGEST_CHUNK = 2048
 TMA_SHORT_CHUNKS_PAGED_BELOW = 0
 
 
+# The Gluon kernel's own gates (`tma_gates`): none. It beat the paged kernel's large tiles at
+# every step timed, short chunks and long prefixes included (0.65-0.86x its time: 64 x 32
+# tokens, 32 x 64 after 700, 1 x 2,048 after 30,000, ...; H200, `benchmarks/tma_kernel_ab.py`,
+# 2026-12-04). Not timed: a few short chunks after very long prefixes, where the paged
+# kernel's split-KV would spread what one Gluon program walks alone.
+GLUON_MIN_LONGEST_CHUNK = 0
+GLUON_MIN_FRESH_SHARE = 0.0
 # The TMA path runs the warp-specialized Gluon kernel (`prefill_gluon.py`) where it serves the
 # launch, else the Triton one. KVSERVE_GLUON_PREFILL=0 keeps the Triton kernel (A/B runs); a
 # Gluon kernel that fails to build at warm-up switches itself off (`disable_gluon`).
@@ -90,6 +97,14 @@ def short_chunk_bound(q: torch.Tensor, kv_cache: torch.Tensor, cached_prefixes: 
     if cached_prefixes and q.is_cuda and gluon_prefill(q, kv_cache) is not None:
         return max(TMA_SHORT_CHUNKS_PAGED_BELOW, kv_cache.shape[2])
     return TMA_SHORT_CHUNKS_PAGED_BELOW
+
+
+def tma_gates(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, float]:
+    """(longest chunk, fresh-key share) a large eager step needs for the TMA path: the Gluon
+    kernel's where it serves the launch, else the Triton kernel's."""
+    if q.is_cuda and gluon_prefill(q, kv_cache) is not None:
+        return GLUON_MIN_LONGEST_CHUNK, GLUON_MIN_FRESH_SHARE
+    return TMA_MIN_LONGEST_CHUNK, TMA_MIN_FRESH_SHARE
 
 
 def takes_tma(num_tokens: int, head_dim: int, window: int | None) -> bool:

@@ -1,0 +1,59 @@
+"""How the engine's thread waits for the GPU: the CUDA context's scheduling flag.
+
+Every step the engine waits for the step in flight (the sampled ids' copy). Under CUDA's
+default ("auto") the waiting thread may give up its core, and the step's host work that
+follows runs on a cold one: on an H200's host, 256 running decode requests took 2,043 us of
+host work a step with the default, 1,306 blocking and 990 spinning
+(`benchmarks/host_step_bench.py --wait-mode`, 2026-12-04). The engine spins by default, the
+price of one busy core while it waits; `KVSERVE_CUDA_WAIT=auto|spin|yield|blocking` chooses.
+The flag belongs to the device's primary context and must be set before that context starts
+(`build_engine_parts` does it first); later, the context's flag stays and a warning says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# CUDA's context scheduling flags (CU_CTX_SCHED_*)
+WAIT_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
+DEFAULT_WAIT = "spin"
+
+
+def wait_mode_from_env() -> str:
+    mode = os.environ.get("KVSERVE_CUDA_WAIT", DEFAULT_WAIT)
+    if mode not in WAIT_FLAGS:
+        raise ValueError(f"KVSERVE_CUDA_WAIT must be one of {sorted(WAIT_FLAGS)}, got {mode!r}")
+    return mode
+
+
+def set_cuda_wait(device: torch.device, mode: str | None = None) -> bool:
+    """Set the wait mode (default: `wait_mode_from_env`) on `device`'s primary context;
+    False where it was left as it was (not CUDA, "auto", or the driver refused)."""
+    mode = mode or wait_mode_from_env()
+    if device.type != "cuda" or mode == "auto":
+        return False
+    if torch.cuda.is_initialized():
+        logger.warning("CUDA was initialised before the engine: its wait mode stays (KVSERVE_CUDA_WAIT=%s not applied)",
+                       mode)
+        return False
+    return _set_primary_context_flags(device.index or 0, WAIT_FLAGS[mode])
+
+
+def _set_primary_context_flags(ordinal: int, flags: int) -> bool:
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        logger.warning("CUDA driver not loadable (%s): the GPU wait mode stays CUDA's default", e)
+        return False
+    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
+    handle = ctypes.c_int()
+    for rc in (driver.cuInit(0), driver.cuDeviceGet(ctypes.byref(handle), ordinal), set_flags(handle, flags)):
+        if rc:
+            logger.warning("CUDA driver error %d setting the GPU wait mode: it stays CUDA's default", rc)
+            return False
+    return True
