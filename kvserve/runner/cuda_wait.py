@@ -33,22 +33,42 @@ def wait_mode_from_env() -> str:
 
 def set_cuda_wait(device: torch.device, mode: str | None = None) -> bool:
     """Set the wait mode (default: `wait_mode_from_env`) on `device`'s primary context;
-    False where it was left as it was (not CUDA, "auto", or the driver refused)."""
+    False where it was left as it was (not CUDA, "auto", the driver refused, or the context
+    had started with another mode; one started with this mode counts as set)."""
     mode = mode or wait_mode_from_env()
     if device.type != "cuda" or mode == "auto":
         return False
+    ordinal, flags = device.index or 0, WAIT_FLAGS[mode]
     if torch.cuda.is_initialized():
+        if _primary_context_wait_flags(ordinal) == flags:
+            return True   # an earlier engine in this process set it
         logger.warning("CUDA was initialised before the engine: its wait mode stays (KVSERVE_CUDA_WAIT=%s not applied)",
                        mode)
         return False
-    return _set_primary_context_flags(device.index or 0, WAIT_FLAGS[mode])
+    return _set_primary_context_flags(ordinal, flags)
+
+
+def _driver():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        logger.warning("CUDA driver not loadable (%s): the GPU wait mode stays CUDA's default", e)
+        return None
+
+
+def _primary_context_wait_flags(ordinal: int) -> int | None:
+    """The scheduling bits of the device's primary context's flags; None where unreadable."""
+    driver = _driver()
+    handle, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    if driver is None or driver.cuDeviceGet(ctypes.byref(handle), ordinal) or driver.cuDevicePrimaryCtxGetState(
+            handle, ctypes.byref(flags), ctypes.byref(active)):
+        return None
+    return flags.value & 7   # CU_CTX_SCHED_MASK
 
 
 def _set_primary_context_flags(ordinal: int, flags: int) -> bool:
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        logger.warning("CUDA driver not loadable (%s): the GPU wait mode stays CUDA's default", e)
+    driver = _driver()
+    if driver is None:
         return False
     set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
     handle = ctypes.c_int()
