@@ -44,6 +44,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from gluon_harness import compile_rows, compile_sm90, compiled_report, run_in_processes
 from prefill_headroom import HEADS, KV_HEADS, HEAD_DIM, GROUP, LOG2E, RAGGED, reference
 
 # name -> (BLOCK_Q tokens, BLOCK_N keys, STAGES, OVERLAP); BLOCK_Q * GROUP rows, half a warpgroup each
@@ -312,8 +313,8 @@ def gluon_prefill(q, k, v, out, query_start_loc, max_len: int, scale: float, blo
     return out
 
 
-def _signature(block_n: int) -> tuple[dict, dict]:
-    """The kernel's argument types and 16-divisibility hints as a launch would specialize them."""
+def compile_variant(block_q: int, block_n: int, stages: int, overlap: bool):
+    """Compile the kernel for sm_90 without a GPU."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -321,76 +322,19 @@ def _signature(block_n: int) -> tuple[dict, dict]:
     desc = mangle_type(TensorDescriptor.from_tensor(kv, [block_n, 1, HEAD_DIM], _kv_layout(block_n)))
     signature = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "out_ptr": "*bf16", "query_start_loc_ptr": "*i32",
                  "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32"}
-    names = list(_gluon_prefill_kernel.arg_names)
-    aligned = ["q_ptr", "out_ptr", "query_start_loc_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
-    return signature, {(names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
-
-
-def compile_variant(block_q: int, block_n: int, stages: int, overlap: bool):
-    """Compile the kernel for sm_90 without a GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    signature, attrs = _signature(block_n)
     constexprs = {"GROUP": GROUP, "HEAD_DIM": HEAD_DIM, "BLOCK_Q": block_q, "BLOCK_N": block_n,
                   "STAGES": stages, "OVERLAP": overlap}
-    signature |= {name: "constexpr" for name in constexprs}
-    src = GluonASTSource(fn=_gluon_prefill_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": CONSUMER_WARPS.value})
-
-
-def _ptxas_report(ptx: str) -> str:
-    """ptxas -v on the PTX (a compiled kernel loaded on no GPU has no register count)."""
-    import subprocess
-    import tempfile
-    from triton import knobs
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        run = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True)
-    return run.stderr + run.stdout
-
-
-def describe(compiled) -> str:
-    """Registers, spills, shared memory, warp-specialize ops and the setmaxnreg budgets."""
-    import re
-    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    report = _ptxas_report(ptx)
-    regs = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    warp_specialize = len(re.findall(r"ttg\.warp_specialize\b(?!\.)", ttgir))
-    budgets = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-    return (f"regs {regs.group(1) if regs else '?'} (.maxnreg; per partition: setmaxnreg "
-            f"{sorted({int(n) for _, n in budgets}, reverse=True)}) "
-            f"spills {'/'.join(spills.groups()) + ' B st/ld' if spills else '?'} "
-            f"smem {compiled.metadata.shared} B of 232448, warps {compiled.metadata.num_warps}, "
-            f"ttg.warp_specialize in TTGIR {warp_specialize}")
+    aligned = ["q_ptr", "out_ptr", "query_start_loc_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
+    return compile_sm90(_gluon_prefill_kernel, signature, constexprs, aligned, CONSUMER_WARPS.value)
 
 
 def compile_only() -> int:
-    failed = 0
-    for name, (block_q, block_n, stages, overlap) in VARIANTS.items():
-        try:
-            print(f"{name:<24} {describe(compile_variant(block_q, block_n, stages, overlap))}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a variant that fails is a row
-            failed += 1
-            print(f"{name:<24} failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-    return 1 if failed else 0
+    return compile_rows({name: lambda v=v: compile_variant(*v) for name, v in VARIANTS.items()}, 24)
 
 
 GPU_CASES = ([1024] * 8, [4096] * 2, [8192], RAGGED)
 PRODUCTION = "production TMA kernel"
 TOLERANCE = 2e-2   # relative error to float32; bf16 P and output land near 4e-3
-
-
-def _compiled_report() -> str:
-    """Registers and spills of what this process compiled (Triton's cache layout is not an API)."""
-    try:
-        rows = {f"regs {c.n_regs} spills {c.n_spills} smem {c.metadata.shared}"
-                for cache in _gluon_prefill_kernel.device_caches.values() for c in cache[0].values()}
-        return "; ".join(sorted(rows))
-    except Exception as e:  # noqa: BLE001
-        return f"unreadable: {type(e).__name__}: {e}"
 
 
 def case(lengths: list[int], variant: str) -> None:
@@ -432,26 +376,11 @@ def run_variant(variant: str) -> None:
     for lengths in GPU_CASES:
         case(lengths, variant)
     if variant != PRODUCTION and torch.cuda.is_initialized():
-        print(f"{variant:<24} compiled: {_compiled_report()}", flush=True)
+        print(f"{variant:<24} compiled: {compiled_report(_gluon_prefill_kernel)}", flush=True)
 
 
 def run_all(timeout_s: int) -> int:
-    """Each variant in its own process: a deadlocked mbarrier ring or a faulting kernel takes
-    down (or times out) only its own rows."""
-    import subprocess
-    import torch
-    print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}",
-          flush=True)
-    failed = 0
-    for variant in [PRODUCTION, *VARIANTS]:
-        try:
-            rc = subprocess.run([sys.executable, __file__, "--variant", variant], timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout (a hang: mbarrier phases?)"
-        if rc != 0:
-            failed += 1
-            print(f"{variant:<24} process failed: {rc}", flush=True)
-    return 1 if failed else 0
+    return run_in_processes(__file__, [PRODUCTION, *VARIANTS], timeout_s, 24)
 
 
 def main() -> None:

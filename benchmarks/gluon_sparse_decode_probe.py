@@ -59,6 +59,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from gluon_harness import compile_rows, compile_sm90, compiled_report, run_in_processes
+
 HEADS, HEAD_DIM = 64, 512
 WINDOW_KEYS, CHOSEN_KEYS = 128, 512
 MAX_KEYS = WINDOW_KEYS + CHOSEN_KEYS
@@ -280,59 +282,17 @@ def gluon_sparse_decode(q, storage, rows, sinks, out, scale: float, block_n: int
 
 def compile_variant(block_n: int, stages: int):
     """Compile the kernel for sm_90 without a GPU, specialized as a launch on MAX_KEYS would be."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     signature = {"q_ptr": "*bf16", "storage_ptr": "*bf16", "rows_ptr": "*i32", "sinks_ptr": "*fp32",
                  "out_ptr": "*bf16", "qk_scale": "fp32", "stride_qt": "i32", "stride_sr": "i32", "stride_rt": "i32",
                  "stride_ot": "i32", "max_keys": "i32"}
     constexprs = {"HEADS": HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_N": block_n, "STAGES": stages, "CHUNK": CHUNK,
                   "MAX_TILES": _max_tiles(MAX_KEYS, block_n)}
-    signature |= {name: "constexpr" for name in constexprs}
-    names = list(_sparse_decode_kernel.arg_names)
     aligned = [n for n in signature if n.endswith("_ptr") or n.startswith("stride_") or n == "max_keys"]
-    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(fn=_sparse_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": CONSUMER_WARPS.value})
-
-
-def _ptxas_report(ptx: str) -> str:
-    """ptxas -v on the PTX (a compiled kernel loaded on no GPU has no register count)."""
-    import subprocess
-    import tempfile
-    from triton import knobs
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        run = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True)
-    return run.stderr + run.stdout
-
-
-def describe(compiled) -> str:
-    """Registers, spills, shared memory, warp-specialize ops and the setmaxnreg budgets."""
-    import re
-    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    report = _ptxas_report(ptx)
-    regs = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    warp_specialize = len(re.findall(r"ttg\.warp_specialize\b(?!\.)", ttgir))
-    budgets = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-    return (f"regs {regs.group(1) if regs else '?'} (.maxnreg; per partition: setmaxnreg "
-            f"{sorted({int(n) for _, n in budgets}, reverse=True)}) "
-            f"spills {'/'.join(spills.groups()) + ' B st/ld' if spills else '?'} "
-            f"smem {compiled.metadata.shared} B of 232448, warps {compiled.metadata.num_warps}, "
-            f"ttg.warp_specialize in TTGIR {warp_specialize}")
+    return compile_sm90(_sparse_decode_kernel, signature, constexprs, aligned, CONSUMER_WARPS.value)
 
 
 def compile_only() -> int:
-    failed = 0
-    for name, (block_n, stages) in VARIANTS.items():
-        try:
-            print(f"{name:<10} {describe(compile_variant(block_n, stages))}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a variant that fails is a row
-            failed += 1
-            print(f"{name:<10} failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-    return 1 if failed else 0
+    return compile_rows({name: lambda v=v: compile_variant(*v) for name, v in VARIANTS.items()}, 10)
 
 
 # ---------------------------------------------------------------- GPU check and timing
@@ -409,16 +369,6 @@ def case(batch: int, variant: str, copy_gbs: float) -> None:
         print(f"{variant:<10} {label:<10} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 
-def _compiled_report() -> str:
-    """Registers and spills of what this process compiled (Triton's cache layout is not an API)."""
-    try:
-        rows = {f"regs {c.n_regs} spills {c.n_spills} smem {c.metadata.shared}"
-                for cache in _sparse_decode_kernel.device_caches.values() for c in cache[0].values()}
-        return "; ".join(sorted(rows))
-    except Exception as e:  # noqa: BLE001
-        return f"unreadable: {type(e).__name__}: {e}"
-
-
 def run_variant(variant: str) -> None:
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # kvserve, when not installed
@@ -428,26 +378,11 @@ def run_variant(variant: str) -> None:
     for batch in BATCHES:
         case(batch, variant, copy_gbs)
     if torch.cuda.is_initialized():
-        print(f"{variant:<10} compiled: {_compiled_report()}", flush=True)
+        print(f"{variant:<10} compiled: {compiled_report(_sparse_decode_kernel)}", flush=True)
 
 
 def run_all(timeout_s: int) -> int:
-    """Each variant in its own process: a deadlocked mbarrier ring or a faulting kernel takes
-    down (or times out) only its own rows."""
-    import subprocess
-    import torch
-    print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}",
-          flush=True)
-    failed = 0
-    for variant in VARIANTS:
-        try:
-            rc = subprocess.run([sys.executable, __file__, "--variant", variant], timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout (a hang: mbarrier phases or arrival counts?)"
-        if rc != 0:
-            failed += 1
-            print(f"{variant:<10} process failed: {rc}", flush=True)
-    return 1 if failed else 0
+    return run_in_processes(__file__, list(VARIANTS), timeout_s, 10)
 
 
 def main() -> None:
