@@ -7,7 +7,7 @@ host work a step with the default, 1,306 blocking and 990 spinning
 (`benchmarks/host_step_bench.py --wait-mode`, 2026-12-04). The engine spins by default, the
 price of one busy core while it waits; `KVSERVE_CUDA_WAIT=auto|spin|yield|blocking` chooses.
 The flag belongs to the device's primary context and must be set before that context starts
-(`build_engine_parts` does it first); later, the context's flag stays and a warning says so.
+(`build_engine_parts` does it first); later, the context's flag stays and the log says so.
 """
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ def set_cuda_wait(device: torch.device, mode: str | None = None) -> bool:
     if torch.cuda.is_initialized():
         if _primary_context_wait_flags(ordinal) == flags:
             return True   # an earlier engine in this process set it
-        logger.warning("CUDA was initialised before the engine: its wait mode stays (KVSERVE_CUDA_WAIT=%s not applied)",
-                       mode)
+        # info, not a warning: a process that used CUDA first (a test, a notebook) loses only speed
+        logger.info("CUDA was initialised before the engine: its wait mode stays (KVSERVE_CUDA_WAIT=%s not applied)",
+                    mode)
         return False
     return _set_primary_context_flags(ordinal, flags)
 
