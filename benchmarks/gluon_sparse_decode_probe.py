@@ -61,6 +61,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 
 from gluon_harness import compile_rows, compile_sm90, compiled_report, run_in_processes
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # kvserve, when not installed
+from kvserve.attention.kernels.prefill_gluon import ring_barriers  # noqa: E402
+
 HEADS, HEAD_DIM = 64, 512
 WINDOW_KEYS, CHOSEN_KEYS = 128, 512
 MAX_KEYS = WINDOW_KEYS + CHOSEN_KEYS
@@ -218,14 +221,6 @@ def _consumer(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready, rea
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr, count: gl.constexpr):
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=count)
-    return bars
-
-
-@gluon.jit
 def _sparse_decode_kernel(q_ptr, storage_ptr, rows_ptr, sinks_ptr, out_ptr, qk_scale, stride_qt, stride_sr,
                           stride_rt, stride_ot, max_keys, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr,
@@ -245,8 +240,8 @@ def _sparse_decode_kernel(q_ptr, storage_ptr, rows_ptr, sinks_ptr, out_ptr, qk_s
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, HEAD_DIM], qk_layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
     ids_smem = gl.allocate_shared_memory(gl.int32, [IDS_POW2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_ready, ready = _ring_barriers(1, PRODUCER_THREADS), _ring_barriers(STAGES, PRODUCER_THREADS)
-    empty = _ring_barriers(STAGES, 2)   # one arrival per consumer warpgroup
+    q_ready, ready = ring_barriers(1, PRODUCER_THREADS), ring_barriers(STAGES, PRODUCER_THREADS)
+    empty = ring_barriers(STAGES, 2)   # one arrival per consumer warpgroup
     # arguments spelled out in place: a tuple bound to a name would turn the constexprs into tensors
     gl.warp_specialize([
         (_consumer, (0, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
@@ -371,7 +366,6 @@ def case(batch: int, variant: str, copy_gbs: float) -> None:
 
 def run_variant(variant: str) -> None:
     import torch
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # kvserve, when not installed
     from kvserve.bench.kernels import copy_bandwidth_gbs
     copy_gbs = copy_bandwidth_gbs(1 << 30)
     print(f"{variant:<10} device copy bandwidth {copy_gbs:.0f} GB/s (read + write of 1 GiB)", flush=True)

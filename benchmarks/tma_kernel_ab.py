@@ -10,20 +10,15 @@ against a float32 reference). The steps past "burst with prefixes" are those the
 gates (`mixed.TMA_MIN_FRESH_SHARE`, `TMA_MIN_LONGEST_CHUNK`) keep on the paged kernel.
 
     python3 benchmarks/tma_kernel_ab.py
-    PYTHONPATH=<triton 3.6.0 wheel's site> python benchmarks/tma_kernel_ab.py --compile-only   # no GPU:
-        # the Gluon kernel built for sm_90 at each GQA group and page size it serves, with and
-        # without the prefix loop (registers, spills, shared memory)
+    # the Gluon kernel's builds offline, without a GPU: benchmarks/gluon_prefill_probe.py --compile-only
 """
 from __future__ import annotations
 
 import itertools
-import sys
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from gluon_harness import compile_rows, compile_sm90
-from kvserve.attention.kernels import prefill_gluon
 from kvserve.attention.kernels.mixed import LARGE_TILES
 from kvserve.attention.kernels.prefill import prefill_attention
 from kvserve.attention.kernels.prefill_gluon import prefill_attention_gluon
@@ -84,33 +79,7 @@ def compare(label: str, rows: list[tuple[int, int]]) -> None:
           f"paged {us[2]:7.1f} us  gluon/triton {us[1] / us[0]:.3f}  gluon/paged {us[1] / us[2]:.3f}  "
           f"max rel diff {diff:.1e}", flush=True)
 
-def compile_gluon(group: int, page: int, has_prefix: bool):
-    """The production Gluon kernel for sm_90, without a GPU, as a launch would specialize it."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
-    kv = torch.empty(16, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)   # CPU: only the type matters
-    tile, pages = (mangle_type(TensorDescriptor.from_tensor(kv, [rows, 1, HEAD_DIM], prefill_gluon._kv_layout()))
-                   for rows in (prefill_gluon.BLOCK_N, page))
-    signature = {"q_ptr": "*bf16", "k_desc": tile, "v_desc": tile, "kc_desc": pages, "vc_desc": pages,
-                 "out_ptr": "*bf16", "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "qk_scale": "fp32", "min_q_len": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
-                 "stride_oh": "i32", "stride_table": "i32"}
-    constexprs = {"GROUP": group, "HEAD_DIM": HEAD_DIM, "PAGE": page, "BLOCK_N": prefill_gluon.BLOCK_N,
-                  "STAGES": prefill_gluon.STAGES, "HAS_PREFIX": has_prefix}
-    aligned = [n for n in signature if n.endswith("_ptr") or n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh")]
-    return compile_sm90(prefill_gluon._prefill_gluon_kernel, signature, constexprs, aligned,
-                        prefill_gluon.CONSUMER_WARPS.value)
-
-
-def compile_only() -> int:
-    builds = {f"group {g} page {p}{' prefix' if h else ''}": (lambda g=g, p=p, h=h: compile_gluon(g, p, h))
-              for g, p, h in [(4, 16, False), (4, 16, True), (2, 16, True), (8, 16, True), (4, 64, True)]}
-    return compile_rows(builds, 22)
-
-
 def main() -> None:
-    if "--compile-only" in sys.argv:
-        sys.exit(compile_only())
     print(f"device: {torch.cuda.get_device_name()}")
     for label, rows in STEPS.items():
         try:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention.backend import get_backend
 from kvserve.cache.specs import FullAttentionSpec
-from tests.test_triton_kernels import (TMA_FRESH_STEP, TMA_STEP, TOL, _build_batch, _layer, _packed_views,
-                                       _reference, _rel_err, _spy_tma, check_attention)
+from tests.test_triton_kernels import (TMA_FRESH_STEP, TMA_STEP, TOL, _spy_tma, backend_forward_err,
+                                       check_attention)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU")]
@@ -81,15 +80,9 @@ def test_backend_runs_the_gluon_kernel_with_prefixes(monkeypatch):
     """Through the backend: the step's short chunks go to the paged kernel
     (`short_chunk_bound`), the rest to the Gluon kernel; all match the reference."""
     calls = _gluon_taken(monkeypatch)
-    spec = FullAttentionSpec()
-    meta, kv_cache, q, k, v = _build_batch(GLUON_STEP, spec, 16, 32, 8, 128, "cuda",
-                                           torch.Generator().manual_seed(9))
-    layer = _layer(spec, 32, 8, 128)
-    ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
-    k, v = _packed_views(q, k, v)
-    out = get_backend("triton").forward(q, k, v, kv_cache, layer, meta)
+    err = backend_forward_err(GLUON_STEP, seed=9)
     assert calls == [True]
-    assert _rel_err(out, ref, meta) < TOL
+    assert err < TOL
 
 
 @pytest.mark.parametrize("seqs", [[(3000, 1200), (0, 900), (7000, 1)], [(0, 1024)] * 3],
@@ -99,14 +92,9 @@ def test_gluon_takes_the_steps_the_triton_gates_keep_paged(seqs, monkeypatch):
     Triton kernel's gates (tests/test_triton_kernels.py); the Gluon kernel has none
     (`mixed.tma_gates`): they take it, and match the reference."""
     calls = _gluon_taken(monkeypatch)
-    spec = FullAttentionSpec()
-    meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 32, 8, 128, "cuda", torch.Generator().manual_seed(4))
-    layer = _layer(spec, 32, 8, 128)
-    ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
-    k, v = _packed_views(q, k, v)
-    out = get_backend("triton").forward(q, k, v, kv_cache, layer, meta)
+    err = backend_forward_err(seqs, seed=4)
     assert calls == [any(p for p, n in seqs if n > 1)]
-    assert _rel_err(out, ref, meta) < TOL
+    assert err < TOL
 
 
 def test_gluon_off_switch(monkeypatch):

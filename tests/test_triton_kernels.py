@@ -351,14 +351,20 @@ def test_backend_takes_tma_path_by_the_step(seqs, taken, monkeypatch):
     has a cached prefix); one mostly over cached prefixes, or whose chunks are all short,
     keeps the paged kernel; all match the reference."""
     calls = _spy_tma(monkeypatch)
+    err = backend_forward_err(seqs, seed=3)
+    assert calls == taken
+    assert err < TOL
+
+
+def backend_forward_err(seqs, seed: int) -> float:
+    """The Triton backend's forward over a step of `seqs` (Qwen3-8B heads, block size 16, the
+    step's K/V as views of one packed projection, as the model hands them): its error."""
     spec = FullAttentionSpec()
-    meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 32, 8, 128, "cuda", torch.Generator().manual_seed(3))
+    meta, kv_cache, q, k, v = _build_batch(seqs, spec, 16, 32, 8, 128, "cuda", torch.Generator().manual_seed(seed))
     layer = _layer(spec, 32, 8, 128)
     ref = _reference(q, k, v, kv_cache.clone(), layer, meta)
     k, v = _packed_views(q, k, v)
-    out = get_backend("triton").forward(q, k, v, kv_cache, layer, meta)
-    assert calls == taken
-    assert _rel_err(out, ref, meta) < TOL
+    return _rel_err(get_backend("triton").forward(q, k, v, kv_cache, layer, meta), ref, meta)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ after a prefix would leave slots of an earlier owner there, so the caller keeps 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,12 +40,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 LOG2E = 1.4426950408889634
 ROWS = gl.constexpr(64)      # a consumer warpgroup's rows: the wgmma's M
-BLOCK_N, STAGES = 128, 2     # fastest of five on an H200 (benchmarks/gluon_prefill_probe.py)
 HEAD_DIM = 128
 # constexpr, so the jitted code may read them; a consumer is one warpgroup
 CONSUMER_WARPS, PRODUCER_WARPS = gl.constexpr(4), gl.constexpr(1)
 # setmaxnreg budgets (multiples of 8): the producer only issues TMA, the consumers hold S and O
 CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
+
+
+@dataclass(frozen=True)
+class GluonPrefillConfig:
+    # Fastest on an H200 of 128- and 64-key slots, 2 to 4 deep (benchmarks/gluon_prefill_probe.py);
+    # a slot must hold whole pages and a query tile's diagonal.
+    block_n: int = 128
+    stages: int = 2
 
 
 def supports_gluon(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -54,7 +62,7 @@ def supports_gluon(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     group = q.shape[1] // kv_cache.shape[3]
     page = kv_cache.shape[2]
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.shape[-1] == HEAD_DIM and group in (2, 4, 8) and q.dtype == kv_cache.dtype == torch.bfloat16
-            and BLOCK_N % page == 0 and page >= 8)
+            and GluonPrefillConfig.block_n % page == 0 and page >= 8)
 
 
 @gluon.jit
@@ -235,7 +243,8 @@ def _producer(k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, k_empty
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr, count: gl.constexpr):
+def ring_barriers(STAGES: gl.constexpr, count: gl.constexpr):
+    """STAGES mbarriers, each completing a phase on `count` arrivals (the other Gluon kernels' too)."""
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=count)
@@ -267,8 +276,8 @@ def _prefill_gluon_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, out_ptr, bloc
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, ROWS, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        k_ready, v_ready = _ring_barriers(STAGES, 1), _ring_barriers(STAGES, 1)
-        k_empty, v_empty = _ring_barriers(STAGES, 2), _ring_barriers(STAGES, 2)   # one arrival per consumer
+        k_ready, v_ready = ring_barriers(STAGES, 1), ring_barriers(STAGES, 1)
+        k_empty, v_empty = ring_barriers(STAGES, 2), ring_barriers(STAGES, 2)   # one arrival per consumer
         table_row = block_table_ptr + seq.to(gl.int64) * stride_table
         # arguments spelled out in place: a tuple bound to a name would turn the constexprs into tensors
         gl.warp_specialize([
@@ -284,23 +293,25 @@ def _prefill_gluon_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, out_ptr, bloc
 
 
 @functools.cache
-def _kv_layout():
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, 1, HEAD_DIM], gl.bfloat16)
+def _kv_layout(block_n: int):
+    return gl.NVMMASharedLayout.get_default_for([block_n, 1, HEAD_DIM], gl.bfloat16)
 
 
-def _descriptors(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> list:
-    """The chunk's K/V by key tiles and the cache's K/V by pages ([blocks * page, KVH, D] views)."""
+def _descriptors(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block_n: int) -> list:
+    """The chunk's K/V by key tiles and the cache's K/V by pages ([blocks * page, KVH, D] views),
+    both in the ring slot's layout (a page lands in a slice of a slot)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    page = kv_cache.shape[2]
+    page, layout = kv_cache.shape[2], _kv_layout(block_n)
     pages = [c.reshape(-1, *c.shape[2:]) for c in (kv_cache[0], kv_cache[1])]
-    return ([TensorDescriptor.from_tensor(t, [BLOCK_N, 1, HEAD_DIM], _kv_layout()) for t in (k, v)]
-            + [TensorDescriptor.from_tensor(t, [page, 1, HEAD_DIM], _kv_layout()) for t in pages])
+    return ([TensorDescriptor.from_tensor(t, [block_n, 1, HEAD_DIM], layout) for t in (k, v)]
+            + [TensorDescriptor.from_tensor(t, [page, 1, HEAD_DIM], layout) for t in pages])
 
 
 def prefill_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                             out: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                            cached_prefixes: bool = True, min_q_len: int = 2) -> torch.Tensor:
+                            cached_prefixes: bool = True, min_q_len: int = 2,
+                            config: GluonPrefillConfig = GluonPrefillConfig()) -> torch.Tensor:
     """`prefill_attention_tma`'s contract: causal attention of every sequence's queries over
     its cached prefix and its own chunk (q/out [T, H, D]; k/v [T, KVH, D], this step's new
     keys, also in the cache by now). Sequences whose query is shorter than `min_q_len` are
@@ -310,8 +321,8 @@ def prefill_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     group = q.shape[1] // num_kv_heads
     grid = (triton.cdiv(max_query_len, 2 * ROWS.value // group), num_kv_heads, seq_lens.shape[0])
     _prefill_gluon_kernel[grid](
-        q, *_descriptors(k, v, kv_cache), out, block_table, query_start_loc, seq_lens, scale * LOG2E, min_q_len,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        GROUP=group, HEAD_DIM=HEAD_DIM, PAGE=kv_cache.shape[2], BLOCK_N=BLOCK_N, STAGES=STAGES,
+        q, *_descriptors(k, v, kv_cache, config.block_n), out, block_table, query_start_loc, seq_lens,
+        scale * LOG2E, min_q_len, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        GROUP=group, HEAD_DIM=HEAD_DIM, PAGE=kv_cache.shape[2], BLOCK_N=config.block_n, STAGES=config.stages,
         HAS_PREFIX=cached_prefixes, num_warps=CONSUMER_WARPS.value)
     return out
