@@ -46,7 +46,9 @@ class TritonAttentionBackend:
         paged_below = short_chunk_bound(q, kv_cache, cached_prefixes) if fresh_kv is not None else 0
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
                                tiles=meta.prefill_tiles, fresh_kv=fresh_kv, cached_prefixes=cached_prefixes,
-                               paged_below=paged_below, longest_paged=meta.longest_chunk_below(paged_below))
+                               paged_below=paged_below,
+                               longest_paged=meta.longest_chunk_below(paged_below) if fresh_kv is not None else 0)
+
 
 def _takes_fresh_kv(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     window: int | None) -> bool:
