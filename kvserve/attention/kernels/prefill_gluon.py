@@ -14,9 +14,9 @@ query tokens of one sequence x the GQA group of one KV head (128 rows, token-maj
   online softmax in exp2, O += P V (P from registers). S(j) is issued before P(j-1) V(j-1),
   so the softmax of one tile runs while the last tile's PV is in flight (FA3's overlap).
   Each consumer arrives once on a slot's `empty` barrier when done with it.
-H200, Qwen3-8B heads (32 / 8, head_dim 128), fresh prompts: 1 x 8,192 954 us against the
-Triton TMA kernel's 1,189; 8 x 1,024 192 against 233; the served burst's ragged 7-prompt step
-386 against 462 (`benchmarks/gluon_prefill_probe.py`, 2026-12-04).
+H200, Qwen3-8B heads (32 / 8, head_dim 128): 0.80-0.84x the Triton TMA kernel's time on fresh
+prompts (1 x 8,192 968 against 1,171 us), 0.65-0.75x after cached prefixes, and 0.65-0.86x
+the paged kernel's large tiles at every step timed (`benchmarks/tma_kernel_ab.py`, 2026-12-04).
 
 The prefix's last tile is masked to the prefix; the chunk's last tile (the diagonal) is
 masked causally. Rows with a query shorter than `min_q_len` are left to other kernels. A
@@ -56,12 +56,13 @@ class GluonPrefillConfig:
 
 
 def supports_gluon(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The shapes this kernel is built for, on top of `supports_tma`: Hopper (wgmma), head_dim 128, a GQA
-    group of 2 to 8 (two warpgroups of 64 rows hold whole tokens), bf16, and pages that
-    divide a key tile."""
+    """The shapes this kernel is built for, on top of `supports_tma`: Hopper (wgmma), head_dim
+    128, a GQA group of 2 to 8 (two warpgroups of 64 rows hold whole tokens), bf16, and pages
+    that divide a key tile."""
     group = q.shape[1] // kv_cache.shape[3]
     page = kv_cache.shape[2]
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.shape[-1] == HEAD_DIM and group in (2, 4, 8) and q.dtype == kv_cache.dtype == torch.bfloat16
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.shape[-1] == HEAD_DIM
+            and group in (2, 4, 8) and q.dtype == kv_cache.dtype == torch.bfloat16
             and GluonPrefillConfig.block_n % page == 0 and page >= 8)
 
 
