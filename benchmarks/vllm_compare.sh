@@ -29,6 +29,10 @@
 #   stage 9  (after stages 4 and 5 with PROFILE_SECONDS=N): the two servers' /start_profile windows
 #                                                     side by side (benchmarks/served_profile_compare.py);
 #                                                     the traces wait in $PROFILE_DIR (default /tmp/served_profiles)
+#   stage 10 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone, no bundle: the TMA path's two kernels
+#                                                     (tma_kernel_ab.py), the burst with the Gluon kernel
+#                                                     against the Triton one (burst_ab.sh), and host
+#                                                     microseconds per step by GPU wait mode
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -37,7 +41,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|9 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|10 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -111,5 +115,13 @@ case $stage in
   9)
     PYTHONPATH=$PWD python3 benchmarks/served_profile_compare.py "$PROFILE_DIR/prof_kvserve" "$PROFILE_DIR/prof_vllm" \
       2>&1 | tee "$OUT/served_profile_compare.txt" ;;
-  *) echo "stage must be 1 to 9"; exit 2 ;;
+  10)
+    PYTHONPATH=$PWD:$PWD/benchmarks timeout 130 python3 benchmarks/tma_kernel_ab.py 2>&1 | grep -v -i warn \
+      | tee "$OUT/tma_kernel_ab.txt"
+    BASE_ENV=KVSERVE_GLUON_PREFILL=0 timeout 270 bash benchmarks/burst_ab.sh "${AB_ROUNDS:-1}"
+    for mode in auto spin; do   # burst_ab.sh installed the web wheels (msgspec) into /tmp/site
+      PYTHONPATH=$PWD:/tmp/site timeout 80 python3 benchmarks/host_step_bench.py --model dummy:qwen3-8b --device cuda \
+        --running 256 --steps 48 --wait-mode $mode 2>&1 | grep -v -i warn | tail -4
+    done | tee "$OUT/host_wait_modes.txt" ;;
+  *) echo "stage must be 1 to 10"; exit 2 ;;
 esac
