@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import json
+import os
 import random
 import statistics
 import time

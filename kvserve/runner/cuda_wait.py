@@ -1,9 +1,10 @@
 """How the engine's thread waits for the GPU: the CUDA context's scheduling flag.
 
 Every step the engine waits for the step in flight (the sampled ids' copy). Under CUDA's
-default ("auto") the waiting thread may give up its core, and the step's host work that
-follows runs on a cold one: on an H200's host, 256 running decode requests took 2,043 us of
-host work a step with the default, 1,306 blocking and 990 spinning
+default ("auto") the step's host work that follows ran twice as long as after a spinning wait
+(the likely cause, not measured: a thread that gave up its core comes back to a cold or
+clocked-down one): on an H200's host, 256 running decode requests took 2,043 us of host work
+a step with the default, 1,306 blocking and 990 spinning
 (`benchmarks/host_step_bench.py --wait-mode`, 2026-12-04). The engine spins by default, the
 price of one busy core while it waits; `KVSERVE_CUDA_WAIT=auto|spin|yield|blocking` chooses.
 The flag belongs to the device's primary context and must be set before that context starts
