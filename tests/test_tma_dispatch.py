@@ -1,0 +1,86 @@
+"""Which kernel the TMA path runs (kvserve/attention/kernels/mixed.py), on the CPU: the Gluon
+kernel where it serves the launch, only with chunks shorter than a page sent elsewhere when
+there are cached prefixes; the Triton kernel otherwise; the gates and the short-chunk bound
+follow the kernel. The kernels themselves are stand-ins that record their calls (the GPU tests,
+tests/test_prefill_gluon.py, run the real ones)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("triton")
+from kvserve.attention.kernels import mixed  # noqa: E402
+
+PAGE = 16
+
+
+class _Tensor(SimpleNamespace):
+    """What the dispatch reads of q and the cache: is_cuda and shape."""
+
+
+def _q():
+    return _Tensor(is_cuda=True, shape=(4096, 32, 128))
+
+
+def _cache():
+    return _Tensor(is_cuda=True, shape=(2, 100, PAGE, 8, 128))
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Record every launch: ("gluon" | "triton", cached_prefixes, min length)."""
+    calls = []
+    fake = SimpleNamespace(supports_gluon=lambda q, kv: True,
+                           prefill_attention_gluon=lambda *a, **kw: calls.append(
+                               ("gluon", kw["cached_prefixes"], kw["min_q_len"])))
+    monkeypatch.setattr(mixed, "_gluon_module", lambda: fake)
+    monkeypatch.setitem(mixed._GLUON_OFF, "reason", None)
+    monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: calls.append(
+        ("triton", kw["cached_prefixes"], kw["from_length"])))
+    return calls
+
+
+def _launch(cached_prefixes: bool, split: int, paged_below: int) -> None:
+    mixed._tma_prefill(_q(), (None, None), _cache(), None, None, None, None, 4096, 1.0, cached_prefixes, split,
+                       paged_below)
+
+
+def test_fresh_steps_take_gluon(kernels):
+    _launch(False, 0, 0)
+    assert kernels == [("gluon", False, 2)]   # one-query rows stay the decode kernel's
+
+
+def test_prefixes_take_gluon_only_with_short_chunks_sent_elsewhere(kernels):
+    _launch(True, PAGE, PAGE)
+    _launch(True, 0, 0)            # nothing promises chunks under a page go elsewhere
+    _launch(True, 2048, 2048)
+    assert kernels == [("gluon", True, PAGE), ("triton", True, 0), ("gluon", True, 2048)]
+
+
+def test_off_switch_keeps_triton(kernels, monkeypatch):
+    monkeypatch.setitem(mixed._GLUON_OFF, "reason", "KVSERVE_GLUON_PREFILL=0")
+    _launch(False, 0, 0)
+    assert kernels == [("triton", False, 0)]
+    assert mixed.tma_gates(_q(), _cache()) == (mixed.TMA_MIN_LONGEST_CHUNK, mixed.TMA_MIN_FRESH_SHARE)
+    assert mixed.short_chunk_bound(_q(), _cache(), True) == mixed.TMA_SHORT_CHUNKS_PAGED_BELOW
+
+
+def test_disable_gluon_switches_it_off(kernels, caplog):
+    mixed.disable_gluon("build failed")
+    assert mixed.gluon_prefill(_q(), _cache()) is None and "build failed" in caplog.text
+    _launch(False, 0, 0)
+    assert kernels == [("triton", False, 0)]
+
+
+def test_gates_and_bound_follow_the_kernel(kernels):
+    assert mixed.tma_gates(_q(), _cache()) == (mixed.GLUON_MIN_LONGEST_CHUNK, mixed.GLUON_MIN_FRESH_SHARE)
+    assert mixed.short_chunk_bound(_q(), _cache(), True) == max(mixed.TMA_SHORT_CHUNKS_PAGED_BELOW, PAGE)
+    assert mixed.short_chunk_bound(_q(), _cache(), False) == mixed.TMA_SHORT_CHUNKS_PAGED_BELOW
+
+
+def test_cpu_tensors_never_load_the_gluon_module(monkeypatch):
+    monkeypatch.setattr(mixed, "_gluon_module", lambda: pytest.fail("Gluon module loaded for a CPU launch"))
+    cpu_q = _Tensor(is_cuda=False, shape=(4096, 32, 128))
+    assert mixed.tma_gates(cpu_q, _cache()) == (mixed.TMA_MIN_LONGEST_CHUNK, mixed.TMA_MIN_FRESH_SHARE)
+    assert mixed.short_chunk_bound(cpu_q, _cache(), True) == mixed.TMA_SHORT_CHUNKS_PAGED_BELOW
