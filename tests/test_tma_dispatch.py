@@ -84,3 +84,17 @@ def test_cpu_tensors_never_load_the_gluon_module(monkeypatch):
     cpu_q = _Tensor(is_cuda=False, shape=(4096, 32, 128))
     assert mixed.tma_gates(cpu_q, _cache()) == (mixed.TMA_MIN_LONGEST_CHUNK, mixed.TMA_MIN_FRESH_SHARE)
     assert mixed.short_chunk_bound(cpu_q, _cache(), True) == mixed.TMA_SHORT_CHUNKS_PAGED_BELOW
+
+
+def test_a_failed_warm_up_build_switches_gluon_off(monkeypatch):
+    """The warm-up builds the Gluon kernel; one that raises leaves the Triton kernel serving."""
+    from kvserve.attention.kernels import warmup
+    monkeypatch.setitem(mixed._GLUON_OFF, "reason", None)
+
+    def broken(*a, **kw):
+        raise RuntimeError("PassManager::run failed")
+    monkeypatch.setattr(warmup, "gluon_prefill", lambda q, kv: broken)
+    assert warmup._warm_gluon(_q(), None, _cache(), None, None, None, None, 1.0) == 0
+    assert mixed._GLUON_OFF["reason"] == "RuntimeError: PassManager::run failed"
+    monkeypatch.setattr(warmup, "gluon_prefill", lambda q, kv: lambda *a, **kw: None)
+    assert warmup._warm_gluon(_q(), None, _cache(), None, None, None, None, 1.0) == 2
