@@ -5,7 +5,7 @@ default ("auto") the step's host work that follows ran twice as long as after a 
 (the likely cause, not measured: a thread that gave up its core comes back to a cold or
 clocked-down one): on an H200's host, 256 running decode requests took 2,043 us of host work
 a step with the default, 1,306 blocking and 990 spinning
-(`benchmarks/host_step_bench.py --wait-mode`, 2026-12-04). The engine spins by default, the
+(`benchmarks/host_step_bench.py --wait-mode`, 2026-12-04; one run each, the default first). The engine spins by default, the
 price of one busy core while it waits; `KVSERVE_CUDA_WAIT=auto|spin|yield|blocking` chooses.
 The flag belongs to the device's primary context and must be set before that context starts
 (`build_engine_parts` does it first); later, the context's flag stays and the log says so.
