@@ -119,7 +119,7 @@ case $stage in
     PYTHONPATH=$PWD:$PWD/benchmarks timeout 130 python3 benchmarks/tma_kernel_ab.py 2>&1 | grep -v -i warn \
       | tee "$OUT/tma_kernel_ab.txt"
     BASE_ENV=KVSERVE_GLUON_PREFILL=0 timeout 270 bash benchmarks/burst_ab.sh "${AB_ROUNDS:-1}"
-    for mode in auto spin; do   # burst_ab.sh installed the web wheels (msgspec) into /tmp/site
+    for mode in auto spin spin auto; do   # ABBA against order effects; burst_ab.sh installed msgspec into /tmp/site
       PYTHONPATH=$PWD:/tmp/site timeout 80 python3 benchmarks/host_step_bench.py --model dummy:qwen3-8b --device cuda \
         --running 256 --steps 48 --wait-mode $mode 2>&1 | grep -v -i warn | tail -4
     done | tee "$OUT/host_wait_modes.txt" ;;
