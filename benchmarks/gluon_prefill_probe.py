@@ -19,13 +19,12 @@ ragged fresh prompts, causal within each (block size 16).
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 
 from gluon_harness import compile_rows, compile_sm90, compiled_report, run_in_processes
 from kvserve.attention.kernels import prefill_gluon
 from kvserve.attention.kernels.prefill_gluon import GluonPrefillConfig
-from prefill_headroom import HEADS, KV_HEADS, HEAD_DIM, GROUP, RAGGED, reference
+from prefill_headroom import HEADS, KV_HEADS, HEAD_DIM, GROUP, RAGGED
 
 VARIANTS = {"n128 st2": GluonPrefillConfig(128, 2), "n64 st3": GluonPrefillConfig(64, 3),
             "n64 st4": GluonPrefillConfig(64, 4)}
@@ -73,14 +72,9 @@ def case(lengths: list[int], variant: str) -> None:
     from triton.testing import do_bench_cudagraph
     from kvserve.attention.kernels.prefill_gluon import prefill_attention_gluon
     from kvserve.attention.kernels.prefill_tma import prefill_attention_tma
-    from prefill_headroom import ragged_cache
-    torch.manual_seed(0)
+    from prefill_headroom import fresh_step, ragged_cache
     total, top, scale = sum(lengths), max(lengths), HEAD_DIM ** -0.5
-    q = torch.randn(total, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda").unbind(0)
-    starts = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
-    ref = torch.cat([reference(q[a:b], k[a:b], v[a:b], 1, b - a).transpose(1, 2).reshape(b - a, HEADS, HEAD_DIM)
-                     for a, b in itertools.pairwise(starts.tolist())])
+    q, k, v, starts, ref = fresh_step(lengths)
     out = torch.full_like(q, float("nan"))   # poisoned: a row the kernel skips shows in the error
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     cache, table = ragged_cache(k, v, lengths)

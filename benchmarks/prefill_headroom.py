@@ -128,6 +128,19 @@ def reference(q, k, v, batch, seq):
     return F.scaled_dot_product_attention(qc.float(), kc.float(), vc.float(), is_causal=True)
 
 
+def fresh_step(lengths: list[int]):
+    """A step of fresh prompts of `lengths` tokens (seed 0): q [T, HEADS, D], k and v
+    [T, KV_HEADS, D], query_start_loc, and the float32 causal reference per sequence."""
+    torch.manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda").unbind(0)
+    starts = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    ref = torch.cat([reference(q[a:b], k[a:b], v[a:b], 1, b - a).transpose(1, 2).reshape(b - a, HEADS, HEAD_DIM)
+                     for a, b in itertools.pairwise(starts.tolist())])
+    return q, k, v, starts, ref
+
+
 def paged(k, v, batch, seq):
     """The paged cache, block table, query starts and lengths of `batch` fresh prompts of `seq`."""
     cache, table = paged_cache(k, v, batch, 16)

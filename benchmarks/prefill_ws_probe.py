@@ -20,14 +20,17 @@ loop warp-specialized; `ws4`: the same with 4 warps; `ws-st2`: with 2 stages.
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
-from prefill_headroom import HEADS, KV_HEADS, HEAD_DIM, GROUP, LOG2E, RAGGED, reference
+from kvserve.attention.kernels.common import dot_precision
+from kvserve.attention.kernels.prefill_tma import _fold_fresh
+from prefill_headroom import HEADS, KV_HEADS, HEAD_DIM, GROUP, LOG2E, RAGGED, fresh_step
+
+DOT_PRECISION = tl.constexpr(dot_precision(torch.bfloat16))
 
 BLOCK_Q, BLOCK_N = 32, 128
 BLOCK_M = BLOCK_Q * GROUP
@@ -36,22 +39,6 @@ VARIANTS = {"host": dict(DEVICE_DESC=False, WS=False, num_warps=8, num_stages=3)
             "ws": dict(DEVICE_DESC=True, WS=True, num_warps=8, num_stages=3),
             "ws4": dict(DEVICE_DESC=True, WS=True, num_warps=4, num_stages=3),
             "ws-st2": dict(DEVICE_DESC=True, WS=True, num_warps=8, num_stages=2)}
-
-
-@triton.jit
-def _fold(q, k_desc, v_desc, row, kv_head, m_i, l_i, acc, qk_scale, tok, keys,
-          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
-    k = k_desc.load([row, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    if MASK:
-        s = tl.where(keys[None, :] <= tok[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = v_desc.load([row, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -89,11 +76,11 @@ def _ws_kernel(q_ptr, k_host_desc, v_host_desc, k_ptr, v_ptr, out_ptr, query_sta
     first = q_tile * BLOCK_Q
     diag = first // BLOCK_N * BLOCK_N
     for n in tl.range(0, diag, BLOCK_N, warp_specialize=WS):
-        m_i, l_i, acc = _fold(q, k_desc, v_desc, q_start + n, kv_head, m_i, l_i, acc, qk_scale, tok,
-                              n + tl.arange(0, BLOCK_N), BLOCK_N, HEAD_DIM, False)
+        m_i, l_i, acc = _fold_fresh(q, k_desc, v_desc, q_start + n, kv_head, m_i, l_i, acc, qk_scale, tok,
+                                    n + tl.arange(0, BLOCK_N), BLOCK_N, HEAD_DIM, False, DOT_PRECISION)
     for n in tl.range(diag, tl.minimum(first + BLOCK_Q, q_len), BLOCK_N):
-        m_i, l_i, acc = _fold(q, k_desc, v_desc, q_start + n, kv_head, m_i, l_i, acc, qk_scale, tok,
-                              n + tl.arange(0, BLOCK_N), BLOCK_N, HEAD_DIM, True)
+        m_i, l_i, acc = _fold_fresh(q, k_desc, v_desc, q_start + n, kv_head, m_i, l_i, acc, qk_scale, tok,
+                                    n + tl.arange(0, BLOCK_N), BLOCK_N, HEAD_DIM, True, DOT_PRECISION)
     token = (q_start + tok).to(tl.int64)
     out = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + dims[None, :], out,
@@ -113,13 +100,8 @@ def launch(q, k, v, out, starts, max_len, DEVICE_DESC, WS, num_warps, num_stages
 
 
 def case(lengths: list[int], variant: str) -> None:
-    torch.manual_seed(0)
+    q, k, v, starts, ref = fresh_step(lengths)
     total = sum(lengths)
-    q = torch.randn(total, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda").unbind(0)
-    starts = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
-    ref = torch.cat([reference(q[a:b], k[a:b], v[a:b], 1, b - a).transpose(1, 2).reshape(b - a, HEADS, HEAD_DIM)
-                     for a, b in itertools.pairwise(starts.tolist())])
     out = torch.full_like(q, float("nan"))   # poisoned: a row the kernel skips shows in the error
     fn = lambda: launch(q, k, v, out, starts, max(lengths), **VARIANTS[variant])  # noqa: E731
     err = ((fn().float() - ref).norm() / ref.norm()).item()
