@@ -7,6 +7,7 @@ faulting kernel takes down only its own rows.
 """
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -93,3 +94,20 @@ def run_in_processes(script: str, variants: list[str], timeout_s: int, width: in
             failed += 1
             print(f"{variant:<{width}} process failed: {rc}", flush=True)
     return 1 if failed else 0
+
+
+def probe_main(script: str, doc: str, variants: list[str], run_variant: Callable[[str], None],
+               compile_only: Callable[[], int], width: int) -> None:
+    """A probe's command line: --compile-only, one --variant in this process, or every
+    variant in a process of its own (`run_in_processes`)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report; no GPU needed")
+    p.add_argument("--variant", choices=variants, help="run one variant in this process")
+    p.add_argument("--timeout", type=int, default=240, help="seconds a variant's process may take")
+    args = p.parse_args()
+    if args.compile_only:
+        sys.exit(compile_only())
+    if args.variant:
+        run_variant(args.variant)
+    else:
+        sys.exit(run_in_processes(script, variants, args.timeout, width))

@@ -18,10 +18,8 @@ ragged fresh prompts, causal within each (block size 16).
 """
 from __future__ import annotations
 
-import argparse
-import sys
 
-from gluon_harness import compile_rows, compile_sm90, compiled_report, run_in_processes
+from gluon_harness import compile_rows, compile_sm90, compiled_report, probe_main
 from kvserve.attention.kernels import prefill_gluon
 from kvserve.attention.kernels.prefill_gluon import GluonPrefillConfig
 from prefill_headroom import HEADS, KV_HEADS, HEAD_DIM, GROUP, RAGGED
@@ -105,19 +103,5 @@ def run_variant(variant: str) -> None:
         print(f"{variant:<18} compiled: {compiled_report(prefill_gluon._prefill_gluon_kernel)}", flush=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report; no GPU needed")
-    p.add_argument("--variant", choices=[PRODUCTION, *VARIANTS], help="run one variant in this process")
-    p.add_argument("--timeout", type=int, default=240, help="seconds a variant's process may take")
-    args = p.parse_args()
-    if args.compile_only:
-        sys.exit(compile_only())
-    if args.variant:
-        run_variant(args.variant)
-    else:
-        sys.exit(run_in_processes(__file__, [PRODUCTION, *VARIANTS], args.timeout, 18))
-
-
 if __name__ == "__main__":
-    main()
+    probe_main(__file__, __doc__, [PRODUCTION, *VARIANTS], run_variant, compile_only, 18)

@@ -57,7 +57,6 @@ store; ring slots and phases run on across tokens (tile counter g, token counter
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -68,7 +67,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from gluon_harness import compile_rows, compile_sm90, compiled_report, run_in_processes
+from gluon_harness import compile_rows, compile_sm90, compiled_report, probe_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # kvserve, when not installed
 from kvserve.attention.kernels.prefill_gluon import ring_barriers  # noqa: E402
@@ -208,20 +207,27 @@ def _store_out(wg: gl.constexpr, out_ptr, acc, l_i):
 
 
 @gluon.jit
-def _consumer(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready, ready, empty, n_valid, n_tiles,
-              qk_scale, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """One warpgroup: all 64 heads x output dims [wg * 256, (wg + 1) * 256)."""
+def _consumer_state(sinks_ptr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A consumer's start on a token: running max at the sink logit (log2 units) with weight 1,
+    a zero O half, and S's zero accumulator operand (ignored by the wgmma)."""
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, HALF, 16])
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.load(sinks_ptr + heads) * 1.4426950408889634   # the sink logit, log2 units, weight 1
+    m_i = gl.load(sinks_ptr + heads) * 1.4426950408889634
     l_i = gl.full([HEADS], 1.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)   # S's accumulator operand, ignored
+    return m_i, l_i, acc, gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
+
+
+@gluon.jit
+def _consumer(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready, ready, empty, n_valid, n_tiles,
+              qk_scale, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warpgroup: all 64 heads x output dims [wg * 256, (wg + 1) * 256)."""
+    m_i, l_i, acc, s_zero = _consumer_state(sinks_ptr, HEADS, HEAD_DIM, BLOCK_N)
     mbarrier.wait(q_ready, 0)
     for j in range(n_tiles):
         slot = j % STAGES
@@ -271,16 +277,7 @@ def _consume_token(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready
                    STAGES: gl.constexpr):
     """One token of a persistent program: tiles g, g + 1, ... of the ring, its Q in phase i;
     Q is handed back (`q_empty`) once this consumer's last S has read it."""
-    HALF: gl.constexpr = HEAD_DIM // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, HALF, 16])
-    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.load(sinks_ptr + heads) * 1.4426950408889634   # the sink logit, log2 units, weight 1
-    l_i = gl.full([HEADS], 1.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
+    m_i, l_i, acc, s_zero = _consumer_state(sinks_ptr, HEADS, HEAD_DIM, BLOCK_N)
     n_tiles = gl.cdiv(n_valid, BLOCK_N)
     mbarrier.wait(q_ready, i & 1)
     for j in range(n_tiles):
@@ -509,23 +506,5 @@ def run_variant(variant: str) -> None:
         print(f"{variant:<20} compiled: {compiled_report(kernel)}", flush=True)
 
 
-def run_all(timeout_s: int) -> int:
-    return run_in_processes(__file__, list(VARIANTS), timeout_s, 20)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report; no GPU needed")
-    p.add_argument("--variant", choices=list(VARIANTS), help="run one variant in this process")
-    p.add_argument("--timeout", type=int, default=240, help="seconds a variant's process may take")
-    args = p.parse_args()
-    if args.compile_only:
-        sys.exit(compile_only())
-    if args.variant:
-        run_variant(args.variant)
-    else:
-        sys.exit(run_all(args.timeout))
-
-
 if __name__ == "__main__":
-    main()
+    probe_main(__file__, __doc__, list(VARIANTS), run_variant, compile_only, 20)
