@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
 from kvserve.attention.kernels.common import dot_precision
+from kvserve.attention.kernels.prefill import _tile_rows
 from kvserve.attention.kernels.prefill_tma import _fold_fresh
 from prefill_headroom import HEADS, KV_HEADS, HEAD_DIM, GROUP, LOG2E, RAGGED, fresh_step
 
@@ -63,10 +64,8 @@ def _ws_kernel(q_ptr, k_host_desc, v_host_desc, k_ptr, v_ptr, out_ptr, query_sta
     else:
         k_desc, v_desc = k_host_desc, v_host_desc
     kv_head = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    tok = q_tile * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = tok < q_len
+    tok, group_head, row_valid = _tile_rows(q_tile, q_len, GROUP, BLOCK_M)
+    head = kv_head * GROUP + group_head
     dims = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptr + q_offs + dims[None, :], mask=row_valid[:, None], other=0.0)
