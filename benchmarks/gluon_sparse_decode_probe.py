@@ -239,6 +239,20 @@ def _consumer(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready, rea
 
 
 @gluon.jit
+def _shared(HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            IDS_POW2: gl.constexpr):
+    """Both kernels' shared memory: Q, the key ring, the row ids, and the ring's barriers
+    (`ready` counts every producer thread, `empty` one arrival per consumer warpgroup)."""
+    qk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, HEAD_DIM], gl.bfloat16)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, HEAD_DIM], qk_layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
+    ids_smem = gl.allocate_shared_memory(gl.int32, [IDS_POW2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready, ready = ring_barriers(1, PRODUCER_THREADS), ring_barriers(STAGES, PRODUCER_THREADS)
+    return q_smem, k_smem, ids_smem, q_ready, ready, ring_barriers(STAGES, 2)
+
+
+@gluon.jit
 def _sparse_decode_kernel(q_ptr, storage_ptr, rows_ptr, sinks_ptr, out_ptr, qk_scale, stride_qt, stride_sr,
                           stride_rt, stride_ot, max_keys, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr,
@@ -253,13 +267,7 @@ def _sparse_decode_kernel(q_ptr, storage_ptr, rows_ptr, sinks_ptr, out_ptr, qk_s
     n_tiles = gl.cdiv(n_valid, BLOCK_N)
     q_ptr += t * stride_qt
     out_ptr += t * stride_ot
-    qk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, HEAD_DIM], gl.bfloat16)
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, HEAD_DIM], qk_layout)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
-    ids_smem = gl.allocate_shared_memory(gl.int32, [IDS_POW2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_ready, ready = ring_barriers(1, PRODUCER_THREADS), ring_barriers(STAGES, PRODUCER_THREADS)
-    empty = ring_barriers(STAGES, 2)   # one arrival per consumer warpgroup
+    q_smem, k_smem, ids_smem, q_ready, ready, empty = _shared(HEADS, HEAD_DIM, BLOCK_N, STAGES, IDS_POW2)
     # arguments spelled out in place: a tuple bound to a name would turn the constexprs into tensors
     gl.warp_specialize([
         (_consumer, (0, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
@@ -352,13 +360,8 @@ def _sparse_decode_persistent_kernel(q_ptr, storage_ptr, rows_ptr, sinks_ptr, ou
     IDS_POW2: gl.constexpr = MAX_TILES * BLOCK_N
     gl.static_assert(BLOCK_N % CHUNK == 0, "a tile is gathered CHUNK rows at a time")
     gl.static_assert(HEADS == 64, "the heads are one warpgroup's wgmma M")
-    qk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, HEAD_DIM], gl.bfloat16)
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, HEAD_DIM], qk_layout)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
-    ids_smem = gl.allocate_shared_memory(gl.int32, [IDS_POW2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_ready, ready = ring_barriers(1, PRODUCER_THREADS), ring_barriers(STAGES, PRODUCER_THREADS)
-    q_empty, empty = ring_barriers(1, 2), ring_barriers(STAGES, 2)   # one arrival per consumer warpgroup
+    q_smem, k_smem, ids_smem, q_ready, ready, empty = _shared(HEADS, HEAD_DIM, BLOCK_N, STAGES, IDS_POW2)
+    q_empty = ring_barriers(1, 2)   # one arrival per consumer warpgroup
     gl.warp_specialize([
         (_consumer_persistent, (0, rows_ptr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), q_empty.index(0),
                                 ready, empty, num_tokens, stride_rt, stride_ot, max_keys, qk_scale, HEADS, HEAD_DIM,
