@@ -61,9 +61,15 @@ def supports_gluon(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     that divide a key tile."""
     group = q.shape[1] // kv_cache.shape[3]
     page = kv_cache.shape[2]
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.shape[-1] == HEAD_DIM
+    return (q.is_cuda and _is_hopper(q.device.index) and q.shape[-1] == HEAD_DIM
             and group in (2, 4, 8) and q.dtype == kv_cache.dtype == torch.bfloat16
             and GluonPrefillConfig.block_n % page == 0 and page >= 8)
+
+
+@functools.cache
+def _is_hopper(index: int | None) -> bool:
+    """Asked by every layer of a large step, up to three times (gates, short-chunk bound, launch)."""
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 @gluon.jit
