@@ -429,6 +429,29 @@ def test_the_step_trace_gives_each_step_the_device_time_the_next_line_waited_for
     assert [len(s) for s in segments] == [6, 3]
 
 
+def test_the_step_trace_fits_a_decode_steps_cost_per_running_row(tmp_path):
+    """Graph decode steps timed 5 ms + 50 us a row (4 to 40 rows): the summary's by-rows line
+    bins them by 8 rows and recovers the intercept and slope; the reader takes a gzipped trace
+    as stage 4 of the comparison script leaves it."""
+    import gzip
+
+    from kvserve.engine import step_trace
+    rows = [4 + (i * 7) % 37 for i in range(60)]
+    starts = [0.0, 5.0]
+    for r in rows[:-2]:   # line i's step is what the line after i + 1 waited for: its period
+        starts.append(starts[-1] + 5.0 + 0.05 * r)
+    body = "".join(f"{t / 1e3}\t1.0\t0.5\t0.1\t{r}\t0\t0\t0.0\t0.0\t0\t0\n" for t, r in zip(starts, rows))
+    path = tmp_path / "steps.tsv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(step_trace.HEADER + body)
+    steps = step_trace.read(str(path))
+    line = step_trace.decode_by_rows(step_trace.with_periods(steps))[0]
+    assert "fit 5.00 ms + 50.0 us a row" in line
+    assert "0-7: " in line and "40-47: " in line
+    assert line in step_trace.summary(steps)
+    assert step_trace.decode_by_rows([]) == []
+
+
 def test_the_step_trace_reader_names_a_bad_file_and_line(tmp_path, capsys):
     from kvserve.engine import step_trace
     other = tmp_path / "other.json"

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import cProfile
 import gc
+import gzip
 import logging
 import math
 import os
@@ -254,7 +255,7 @@ def enable_sync_check_from_env() -> bool:
 # -- the summary ------------------------------------------------------------------------
 def read(path: str) -> list[dict[str, float]]:
     """The trace's lines; a file that is not one is a ValueError naming it."""
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:   # stage 4 gzips its trace
         names = f.readline().split()
         if names not in (HEADER.split(), ALLOC_HEADER.split(), OLD_HEADER.split()):
             raise ValueError(f"{path} is not a step trace: its header is {names}, expected {HEADER.split()}")
@@ -320,7 +321,22 @@ def summary(steps: list[dict[str, float]]) -> str:
     lines.append(f"ms per kind of launched step. device: the pipeline's time on the step (the next line's "
                  f"period); host: launching it; wait: for the step before it (< 0.1 ms: the host set the "
                  f"pace, {host_bound:.0%} of steps)")
-    return "\n".join(lines + longest_host(groups["all"]))
+    return "\n".join(lines + decode_by_rows(groups["decode/graph"]) + longest_host(groups["all"]))
+
+
+def decode_by_rows(steps: list[dict[str, float]], width: int = 8) -> list[str]:
+    """Graph decode steps' device ms by running rows (bins of `width`) and the fitted ms a row:
+    the slope is what each running sequence costs a step (its KV reads, sampling, bookkeeping),
+    the intercept what a step costs with none (the weights' read)."""
+    bins: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        bins[int(s["rows"]) // width * width].append(s["device_ms"])
+    cells = [f"{lo}-{lo + width - 1}: {statistics.median(v):.2f} ({len(v)})" for lo, v in sorted(bins.items())]
+    if len({s["rows"] for s in steps}) < 2:
+        return [f"decode/graph device ms p50 by rows: {', '.join(cells)}"] if cells else []
+    fit = statistics.linear_regression([s["rows"] for s in steps], [s["device_ms"] for s in steps])
+    return [f"decode/graph device ms p50 by rows (steps): {', '.join(cells)}; "
+            f"fit {fit.intercept:.2f} ms + {fit.slope * 1e3:.1f} us a row"]
 
 
 def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:
