@@ -5,9 +5,9 @@
 #   MODEL_DIR: config.json + tokenizer (benchmarks/make_dummy_model.py); both engines build dummy weights.
 #   N: requests of that run (default 768). env: OUT (result folder), EXTRA (more server flags),
 #   CLIENT_PROCESSES (client processes, default 4: one falls behind its schedule past ~60 req/s),
-#   PYSPY_SECONDS (py-spy the server and its engine-core process during the first run, 5 s in:
-#   collapsed stacks per thread in $OUT/pyspy_ENGINE.txt), PROFILE_SECONDS (POST /start_profile 8 s into
-#   the first run and /stop_profile that many seconds later: the server's torch.profiler trace in
+#   PYSPY_SECONDS (py-spy the server and its engine-core process 5 s after the first run's first running request:
+#   collapsed stacks per thread in $OUT/pyspy_ENGINE.txt), PROFILE_SECONDS (POST /start_profile PROFILE_DELAY s, default 8, after
+#   the first run's first running request and /stop_profile that many seconds later: the server's torch.profiler trace in
 #   ${PROFILE_DIR:-$OUT}/prof_ENGINE; compare two with benchmarks/served_profile_compare.py).
 # vLLM comes from .vsite (../shared/peers/vllm/README.md); its site also carries kvserve's server deps.
 set -u
@@ -35,12 +35,22 @@ until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
   fi
 done
 echo "startup $(( $(date +%s) - start )) s"
+running() {  # the server's running-request gauge (kvserve's or vLLM's name), 0 when absent
+  curl -s "http://127.0.0.1:$port/metrics" | awk '/^(kvserve|vllm):num_requests_running/ {n += $NF} END {print n + 0}'
+}
+# py-spy and the profile window count from the first run's first running request, not from start-up:
+# the client takes ~20 s to build 512+ token-id prompts in 4 processes, and a window timed from
+# start-up closed before the first request (a trace of 0 steps).
+after_first_request() {
+  for _ in $(seq 600); do [ "$(running)" != 0 ] && break; sleep 0.1; done; sleep "$1"
+}
 if [ -n "${PYSPY_SECONDS:-}" ]; then
-  (sleep 5; py-spy record --pid $server --subprocesses --threads --nonblocking --format raw \
+  (after_first_request 5; py-spy record --pid $server --subprocesses --threads --nonblocking --format raw \
     --duration "$PYSPY_SECONDS" --rate 250 -o "$OUT/pyspy_$engine.txt" > "$OUT/pyspy.log" 2>&1) &
 fi
 if [ -n "${PROFILE_SECONDS:-}" ]; then
-  (sleep 8; curl -s -X POST "http://127.0.0.1:$port/start_profile"; sleep "$PROFILE_SECONDS"
+  (after_first_request "${PROFILE_DELAY:-8}"
+   curl -s -X POST "http://127.0.0.1:$port/start_profile"; sleep "$PROFILE_SECONDS"
    curl -s --max-time 300 -X POST "http://127.0.0.1:$port/stop_profile"; echo) > "$OUT/profile_$engine.log" 2>&1 &
   profiler=$!
 fi

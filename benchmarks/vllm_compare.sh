@@ -8,8 +8,11 @@
 #                                                     tables and fused ops; with CUDNN_ROWS=1 the
 #                                                     prefill probe `prefill_headroom.py --cudnn-rows`
 #   stage 2  carry [".vp2"]:                          GPU tests of the attention kernels and their warm-up
-#   (2b)     carry [".vp2b", ".base.tar"], command `true`: when the tree has grown so far that .vp2b no
-#                                                     longer fits stage 3's carry (vllm_bundle_split.sh warns)
+#   stage 2b carry [".vp2b"]:                         unpack vLLM's stream (.vp1 + .vp2 + .vp2b) into .vsite,
+#                                                     when the tree has grown so far that .vp2b no longer fits
+#                                                     stage 3's carry (vllm_bundle_split.sh warns; it does at
+#                                                     0c8737a: .vp3 + .vp2b + the tree > 64 MiB). Unpack in that
+#                                                     call: a later call that does not carry .vp2b found it gone
 #   stage 3  carry [".vp3", ".vp2b", ".dummy-qwen3-8b", ".base.tar"] (less what 2b carried):
 #                                                     unpack vLLM and its wheels; host microseconds per
 #                                                     step at 32/128/256 (real forward; HOST=0 skips it), with .base.tar
@@ -33,6 +36,10 @@
 #                                                     (tma_kernel_ab.py), the burst with the Gluon kernel
 #                                                     against the Triton one (burst_ab.sh), and host
 #                                                     microseconds per step by GPU wait mode
+#   stage 11 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone: a 2 s profiler window of the served
+#                                                     ide-completion run at 30 req/s (device busy and idle
+#                                                     a step, kernel by kernel), then the offline decode
+#                                                     profile of the same shape (step_diagnostics ide24prof)
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -41,7 +48,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|10 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|11 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -61,6 +68,9 @@ offline() {  # engine, seconds
     --model-dir "$PWD/.dummy-qwen3-8b" --save-json "$OUT/offline_$1.json" 2>&1 \
     | grep -E "^(kvserve|vllm) |Error|error" | tail -12
 }
+unpack() {  # vLLM's stream (.vp1 + .vp2 + .vp2b) into .vsite
+  mkdir -p .vsite && cat .vp1/* .vp2/* .vp2b/* | xz -d -T16 | tar -x -C .vsite
+}
 pack() {  # a call brings back at most 8 files: the runs' JSON and server logs go as one archive
   (cd "$OUT" && tar -czf "serve_$1.tgz" *_*.json server_*.log && rm -f *_*.json server_*.log)
 }
@@ -70,12 +80,14 @@ case $stage in
       tests/test_prompt_logprobs.py tests/test_batch_tables.py tests/test_fused_ops.py" "$OUT/gpu_tests_1.txt"
     # with CUDNN_ROWS=1: the ragged burst step as one dense cuDNN call a row, against the TMA path
     [ "${CUDNN_ROWS:-0}" = 1 ] && PYTHONPATH=$PWD timeout 120 python3 benchmarks/prefill_headroom.py --cudnn-rows 2>&1 \
-      | grep -v -i warn | tee "$OUT/cudnn_rows.txt" ;;
+      | grep -v -i warn | tee "$OUT/cudnn_rows.txt" || true ;;   # an option off is no failure
   2)
     TEST_SECONDS=${TEST_SECONDS:-150} gpu_tests "tests/test_triton_kernels.py tests/test_attention_warmup.py" \
       "$OUT/gpu_tests_2.txt" ;;
+  2b)  # carry [".vp2b"]: the stream's three parts unpacked while all three are there
+    unpack ;;
   3)
-    mkdir -p .vsite && cat .vp1/* .vp2/* .vp2b/* | xz -d -T16 | tar -x -C .vsite
+    [ -d .vsite/vllm ] || unpack
     python3 -m pip install -q --no-index --no-deps --no-compile --target .vsite .vp3/*.whl
     # host microseconds per step at 32/128/256 running (msgspec from vLLM's site); HOST=0 skips it
     [ "${HOST:-1}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 120 python3 benchmarks/host_step_bench.py \
@@ -90,7 +102,7 @@ case $stage in
       PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/burst_prefill_profile.py --engine kvserve \
         --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^kvserve|^  |^device|Error" | tail -40 | tee "$OUT/burst_kvserve.txt"
     fi
-    [ "${OFFLINE:-0}" = 1 ] && offline kvserve 150 ;;
+    [ "${OFFLINE:-0}" = 1 ] && offline kvserve 150 || true ;;
   4)
     export PATH=$PWD/.vsite/bin:$PATH
     KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv KVSERVE_SYNC_CHECK=1 timeout 560 \
@@ -104,7 +116,7 @@ case $stage in
     [ "${BURST:-1}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 400 python3 benchmarks/burst_prefill_profile.py \
       --engine vllm --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^vllm|^  |^device|Error" | tail -40 \
       | tee "$OUT/burst_vllm.txt"
-    [ "${OFFLINE:-0}" = 1 ] && offline vllm 380 ;;
+    [ "${OFFLINE:-0}" = 1 ] && offline vllm 380 || true ;;
   7)
     offline kvserve 200 ;;
   8)
@@ -123,5 +135,13 @@ case $stage in
       PYTHONPATH=$PWD:/tmp/site timeout 80 python3 benchmarks/host_step_bench.py --model dummy:qwen3-8b --device cuda \
         --running 256 --steps 48 --wait-mode $mode 2>&1 | grep -v -i warn | tail -4
     done | tee "$OUT/host_wait_modes.txt" ;;
-  *) echo "stage must be 1 to 10"; exit 2 ;;
+  11)  # a served decode step against the same shape offline: where the served step's extra time goes
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .srv/*.whl
+    PYTHONPATH=/tmp/site PROFILE_SECONDS=${PROFILE_SECONDS:-2} timeout 220 bash benchmarks/serve_load.sh kvserve \
+      "$PWD/.dummy-qwen3-8b" "ide-completion:30:512" 2>&1 | grep -E "^(TTFT|ITL|Request thr)"
+    PYTHONPATH=$PWD timeout 60 python3 benchmarks/served_profile_compare.py "$PROFILE_DIR/prof_kvserve" \
+      "$PROFILE_DIR/prof_kvserve" 2>&1 | tee "$OUT/served_profile_kvserve.txt" | head -40
+    PYTHONPATH=$PWD timeout 150 python3 benchmarks/step_diagnostics.py ide24prof 49152 2>&1 | grep -v -i warn \
+      | tail -30 | tee "$OUT/ide24prof.txt" ;;
+  *) echo "stage must be 1, 2, 2b or 3 to 11"; exit 2 ;;
 esac
