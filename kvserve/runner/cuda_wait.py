@@ -1,14 +1,14 @@
 """How the engine's thread waits for the GPU: the CUDA context's scheduling flag.
 
-Every step the engine waits for the step in flight (the sampled ids' copy). Under CUDA's
-default ("auto") the step's host work that follows ran twice as long as after a spinning wait
-(the likely cause, not measured: a thread that gave up its core comes back to a cold or
-clocked-down one): on an H200's host, 256 running decode requests took 2,043 us of host work
-a step with the default, 1,306 blocking and 990 spinning
-(`benchmarks/host_step_bench.py --wait-mode`, 2026-12-04; one run each, the default first). The engine spins by default, the
-price of one busy core while it waits; `KVSERVE_CUDA_WAIT=auto|spin|yield|blocking` chooses.
-The flag belongs to the device's primary context and must be set before that context starts
-(`build_engine_parts` does it first); later, the context's flag stays and the log says so.
+Every step the engine waits for the step in flight (the sampled ids' copy). One run each on an
+H200's host, the default first, read 2,043 us of host work a step at 256 running under CUDA's
+default ("auto"), 1,306 blocking and 990 spinning; the alternating repeat (auto, spin, spin,
+auto: 1,139, 1,458, 879, 1,046 us) showed no effect of the mode, only run-to-run spread
+(`benchmarks/host_step_bench.py --wait-mode`, 2026-12-04, docs/BENCHMARKS.md). So the engine
+keeps CUDA's default, which costs no busy core; `KVSERVE_CUDA_WAIT=auto|spin|yield|blocking`
+chooses another. The flag belongs to the device's primary context and must be set before that
+context starts (`build_engine_parts` does it first); later, the context's flag stays and the log
+says so.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 # CUDA's context scheduling flags (CU_CTX_SCHED_*)
 WAIT_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
-DEFAULT_WAIT = "spin"
+DEFAULT_WAIT = "auto"
 
 
 def wait_mode_from_env() -> str:
