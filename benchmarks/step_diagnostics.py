@@ -10,6 +10,8 @@ docs/BENCHMARKS_HISTORY.md; the decode profiles and copy runs in docs/BENCHMARKS
   python3 benchmarks/step_diagnostics.py ide112prof  # decode profile, 112 x ~900 tokens, 16 per shared 700-token prefix
   python3 benchmarks/step_diagnostics.py ide24prof [VOCAB]  # the same at 24 x ~900 tokens, 3 per prefix (ide at
                                                     # 30 req/s); VOCAB 49152: the served directory's (vllm_step_profile.py)
+  python3 benchmarks/step_diagnostics.py ide24solo [VOCAB]  # the same without shared prefixes (each request its own
+                                                    # 700-token prefix: the KV reads L2 cannot share)
   python3 benchmarks/step_diagnostics.py mixedburst  # long prompts join 32 decodes: host ms, ITL and TTFT with
                                                     # the drain before long eager launches off and on (tokens
                                                     # timed when the engine hands them over, as the core sends them)
@@ -80,14 +82,15 @@ def step_profile(what: str) -> None:
     from torch.profiler import ProfilerActivity, profile
     from kvserve import LLM, SamplingParams
     n, plen, out = {"batch24": (24, 3600, 48), "decode24prof": (24, 3600, 48),
-                    "ide112prof": (112, 890, 48), "ide24prof": (24, 890, 48)}.get(what, (1, 128, 48))
+                    "ide112prof": (112, 890, 48), "ide24prof": (24, 890, 48),
+                    "ide24solo": (24, 890, 48)}.get(what, (1, 128, 48))
     # An optional second argument sets the vocabulary (the served dummy directory's is 49,152).
     vocab = {"vocab_size": int(sys.argv[2])} if len(sys.argv) > 2 else None
     llm = LLM("dummy:qwen3-8b", max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=16384,
               hf_overrides=vocab)
     prompts = [[100 + (i * 7 + j) % 5000 for j in range(plen)] for i in range(n)]
     if what.startswith("ide"):  # the IDE workload's shape: 700-token file prefixes (16 or 3 requests each)
-        share = 16 if what == "ide112prof" else 3
+        share = {"ide112prof": 16, "ide24solo": 1}.get(what, 3)
         prompts = [[100 + (i // share * 7 + j) % 5000 for j in range(700)] + [5100 + i * 190 + j for j in range(190)]
                    for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
@@ -99,7 +102,7 @@ def step_profile(what: str) -> None:
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
-    decode_only = what in ("decode24prof", "ide112prof", "ide24prof")
+    decode_only = what in ("decode24prof", "ide112prof", "ide24prof", "ide24solo")
     if decode_only:  # profile steady decode only: run until every prefill is done
         while not all(r.num_output_tokens >= 2 for r in engine.requests.values()):
             engine.step()

@@ -39,7 +39,8 @@
 #   stage 11 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone: a 2 s profiler window of the served
 #                                                     ide-completion run at 30 req/s (device busy and idle
 #                                                     a step, kernel by kernel), then the offline decode
-#                                                     profile of the same shape (step_diagnostics ide24prof)
+#                                                     profile of the same shape, with and without shared
+#                                                     prefixes (step_diagnostics ide24prof, ide24solo)
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -141,7 +142,9 @@ case $stage in
       "$PWD/.dummy-qwen3-8b" "ide-completion:30:512" 2>&1 | grep -E "^(TTFT|ITL|Request thr)"
     PYTHONPATH=$PWD timeout 60 python3 benchmarks/served_profile_compare.py "$PROFILE_DIR/prof_kvserve" \
       "$PROFILE_DIR/prof_kvserve" 2>&1 | tee "$OUT/served_profile_kvserve.txt" | head -40
-    PYTHONPATH=$PWD timeout 150 python3 benchmarks/step_diagnostics.py ide24prof 49152 2>&1 | grep -v -i warn \
-      | tail -30 | tee "$OUT/ide24prof.txt" ;;
+    for shape in ide24prof ide24solo; do   # three requests a prefix, then none shared
+      PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py $shape 49152 2>&1 | grep -v -i warn \
+        | tail -30 | tee "$OUT/$shape.txt"
+    done ;;
   *) echo "stage must be 1, 2, 2b or 3 to 11"; exit 2 ;;
 esac
