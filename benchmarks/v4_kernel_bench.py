@@ -46,6 +46,7 @@ from kvserve.cache.v4_specs import V4KVLayout  # noqa: E402
 from kvserve.model.deepseek_v4 import kernels  # noqa: E402
 from kvserve.model.deepseek_v4.kernels import PageRef, SparseAttentionConfig, V4PagedBatch  # noqa: E402
 from kvserve.model.deepseek_v4.kernels.indexer import ScoreConfig, TopKConfig  # noqa: E402
+from kvserve.model.deepseek_v4.kernels.sparse_attention import GLUON_CONFIG  # noqa: E402
 
 D, DI, H, HI, TOPK, WINDOW, CSA_RATE, HCA_RATE, ROPE = 512, 128, 64, 64, 512, 128, 4, 128, 64
 DTYPE, DEVICE, ELEM = torch.bfloat16, "cuda", 2
@@ -230,7 +231,8 @@ def attention_grid(batch: int, quick: bool) -> list[SparseAttentionConfig]:
     if quick:
         shapes = shapes[:1] + shapes[3:4] + shapes[6:7] + shapes[8:9]
     splits = {1: (None, 5, 10, 20), 64: (None, 1, 2, 4)}.get(batch, (None, 1, 2))
-    return [replace(c, num_splits=n) for c in shapes for n in splits]
+    # the Gluon kernel (Hopper; elsewhere its config's planned Triton kernel) splits nothing
+    return [replace(c, num_splits=n) for c in shapes for n in splits] + [GLUON_CONFIG]
 
 
 def score_grid(quick: bool) -> list[ScoreConfig]:

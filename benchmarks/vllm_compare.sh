@@ -41,6 +41,9 @@
 #                                                     a step, kernel by kernel), then the offline decode
 #                                                     profile of the same shape, with and without shared
 #                                                     prefixes (step_diagnostics ide24prof, ide24solo)
+#   stage 12 (no carry needed):                       DeepSeek V4's Gluon sparse decode kernel: its GPU tests
+#                                                     (tests/test_v4_sparse_gluon.py), then the decode path
+#                                                     (v4_kernel_bench.py) with KVSERVE_GLUON_SPARSE=0 and =1
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -49,7 +52,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|11 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|12 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -146,5 +149,12 @@ case $stage in
       PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py $shape 49152 2>&1 | grep -v -i warn \
         | tail -30 | tee "$OUT/$shape.txt"
     done ;;
-  *) echo "stage must be 1, 2, 2b or 3 to 11"; exit 2 ;;
+  12)  # DeepSeek V4's Gluon sparse decode kernel: its GPU tests, then the decode path without and with it
+    PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -m gpu tests/test_v4_sparse_gluon.py 2>&1 | tail -4 \
+      | tee "$OUT/gpu_tests_v4_gluon.txt"
+    for on in 0 1; do
+      KVSERVE_GLUON_SPARSE=$on PYTHONPATH=$PWD timeout 150 python3 benchmarks/v4_kernel_bench.py --no-extras \
+        --no-attention-grid --contexts 32768 131072 --batches 64 256 2>&1 | grep -v -i warn | tail -24
+    done | tee "$OUT/v4_gluon_ab.txt" ;;
+  *) echo "stage must be 1, 2, 2b or 3 to 12"; exit 2 ;;
 esac

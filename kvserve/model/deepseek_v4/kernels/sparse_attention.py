@@ -21,6 +21,8 @@ inline, the two dependent lookups sat between each tile and the next
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -30,6 +32,8 @@ import triton.language as tl
 
 from kvserve.attention.kernels.common import dot_precision
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry_rows, sm_count, token_rows
+
+logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 _LOG2E_IN_KERNEL = tl.constexpr(LOG2E)
@@ -56,6 +60,9 @@ class SparseAttentionConfig:
     # Planned only: key tiles loaded one tile ahead into registers by the loop
     # itself (num_stages 1) instead of by the compiler's software pipeline.
     prefetch: bool = False
+    # The warp-specialized Gluon kernel (`sparse_decode_gluon.py`) on the plan where it
+    # supports the launch (Hopper, 64 heads x 512, bf16); elsewhere this config's Triton kernel.
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps", "block_h"):
@@ -88,11 +95,29 @@ DECODE_CONFIGS = (
 )
 
 
+# From GLUON_MIN_TOKENS tokens with KVSERVE_GLUON_SPARSE=1: the Gluon kernel, else the planned one.
+GLUON_CONFIG = SparseAttentionConfig(block_n=64, num_splits=1, planned=True, gluon=True)
+
+
 def default_config(num_tokens: int, max_keys: int) -> SparseAttentionConfig:
     """The planned decode config while its plan stays small, else the prefill one."""
     if num_tokens * max_keys > PLAN_MAX_SLOTS:
         return PREFILL_CONFIG
+    gluon = _gluon_module()
+    if gluon is not None and gluon.enabled_by_env() and num_tokens >= gluon.GLUON_MIN_TOKENS:
+        return GLUON_CONFIG
     return next(config for bound, config in DECODE_CONFIGS if num_tokens <= bound)
+
+
+@functools.cache
+def _gluon_module():
+    """The Gluon kernel's module, or None where this Triton lacks Gluon's Hopper API."""
+    try:
+        from kvserve.model.deepseek_v4.kernels import sparse_decode_gluon
+    except (ImportError, AttributeError) as e:
+        logger.info("Gluon sparse decode kernel unavailable (%s): V4 attention runs the Triton kernels", e)
+        return None
+    return sparse_decode_gluon
 
 
 def plan_splits(num_tokens: int, max_keys: int, num_sms: int, config: SparseAttentionConfig,
@@ -311,6 +336,19 @@ def _plan(sliding: PageRef, pages: PageRef, index: torch.Tensor, batch: V4PagedB
     return plan
 
 
+def _run_gluon(gluon, q: torch.Tensor, storage: torch.Tensor, plan: torch.Tensor, row_align: int,
+               sinks: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+    """The Gluon kernel on the plan; False (and the kernel switched off) where it fails to
+    build, so this and later launches run the Triton kernel (its first launch is eager: the
+    engine's warm-up, before any graph capture)."""
+    try:
+        gluon.sparse_decode_gluon(q, storage, plan, row_align, sinks, scale * LOG2E, out)
+    except triton.compiler.errors.CompilationError as e:
+        gluon.disable(f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
+        return False
+    return True
+
+
 def sparse_attention(q: torch.Tensor, sliding: PageRef, entries: PageRef | None, indices: torch.Tensor | None,
                      sinks: torch.Tensor, scale: float, window: int, rate: int, batch: V4PagedBatch,
                      out: torch.Tensor, config: SparseAttentionConfig | None = None) -> torch.Tensor:
@@ -333,12 +371,19 @@ def sparse_attention(q: torch.Tensor, sliding: PageRef, entries: PageRef | None,
     block_h = config.block_h or max(16, triton.next_power_of_2(num_heads))
     head_groups = triton.cdiv(num_heads, block_h)
     num_splits = plan_splits(num_tokens, max_keys, sm_count(q.device), config, head_groups)
+    pages = entries if entries is not None else PageRef(sliding.table, 0, 1, 0)
+    index = indices if indices is not None else batch.seq_idx[:, None]  # never read without indices
+    # a sliding-only layer's stand-in entry pages are never read: they do not narrow the unit
+    entry_terms = (pages.offset, pages.width) if entries is not None else ()
+    row_align = _row_align(batch.storage.stride(0), sliding.offset, sliding.width, *entry_terms)
+    gluon = _gluon_module() if config.gluon else None
+    if gluon is not None and gluon.supports(q, batch.storage, out, max_keys, row_align):
+        plan = _plan(sliding, pages, index, batch, window, topk or 0, rate, max_keys, row_align, topk is not None)
+        if _run_gluon(gluon, q, batch.storage, plan, row_align, sinks, scale, out):
+            return out
     part_shape = (1,) if num_splits == 1 else (num_tokens, num_heads, num_splits, head_dim)
     part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(part_shape[:3], dtype=torch.float32, device=q.device)
-    pages = entries if entries is not None else PageRef(sliding.table, 0, 1, 0)
-    index = indices if indices is not None else batch.seq_idx[:, None]  # never read without indices
-    row_align = _row_align(batch.storage.stride(0), sliding.offset, sliding.width, pages.offset, pages.width)
     plan = batch.seq_idx  # never read unplanned
     if config.planned:
         plan = _plan(sliding, pages, index, batch, window, topk or 0, rate, max_keys, row_align, topk is not None)

@@ -1,0 +1,154 @@
+"""The Gluon sparse decode kernel's place in V4 attention (kvserve/model/deepseek_v4/kernels/
+sparse_decode_gluon.py): which launches the default configs give it, what `sparse_attention`
+hands it, the Triton kernel where it fails to build; and on a Hopper GPU (`gpu`), the kernel
+itself against the float32 reference, padding tokens and chosen lists of every length included."""
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+
+from kvserve.model.deepseek_v4.kernels.pages import PageRef
+
+# the package exports a function of the module's name: the modules by path
+attention = importlib.import_module("kvserve.model.deepseek_v4.kernels.sparse_attention")
+gluon = importlib.import_module("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon")
+REAL_SUPPORTS = gluon.supports
+
+
+@pytest.fixture
+def gluon_state(monkeypatch):
+    """The kernel's build state restored after each test (a test may switch it off)."""
+    monkeypatch.setitem(gluon._BROKEN, "reason", None)
+    return gluon
+
+
+def test_default_configs_take_the_gluon_kernel_only_when_switched_on(gluon_state, monkeypatch):
+    monkeypatch.delenv(gluon.ENV, raising=False)
+    assert not attention.default_config(256, 640).gluon
+    monkeypatch.setenv(gluon.ENV, "1")
+    assert attention.default_config(gluon.GLUON_MIN_TOKENS, 640) is attention.GLUON_CONFIG
+    assert not attention.default_config(gluon.GLUON_MIN_TOKENS - 1, 640).gluon   # few tokens: Triton's splits
+    assert attention.default_config(1 << 16, 640) is attention.PREFILL_CONFIG      # a plan too large: prefill
+    assert attention.GLUON_CONFIG.planned   # its fallback where the kernel does not serve: the planned one
+
+
+def _launch(monkeypatch, kernel):
+    """sparse_attention on CPU tensors with the Gluon kernel claimed supported and both Triton
+    launches and the plan replaced by recorders: what each would have been handed."""
+    calls = {"triton": 0, "plan": []}
+    plan = torch.arange(4 * 640, dtype=torch.int64).reshape(4, 640)
+
+    def fake_plan(*args):
+        calls["plan"].append(args[-2])   # row_align
+        return plan
+    monkeypatch.setattr(attention, "_plan", fake_plan)
+    monkeypatch.setattr(gluon, "supports", lambda *a: True)
+    monkeypatch.setattr(gluon, "sparse_decode_gluon", kernel)
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls["triton"] += 1
+            return run
+    monkeypatch.setattr(attention, "_sparse_attention_kernel", Launch())
+    q = torch.randn(4, 64, 512)
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    batch = SimpleNamespace(num_tokens=4, max_seq_len=4096, storage=torch.zeros(64, 1024), block_size=16,
+                            seq_idx=torch.arange(4, dtype=torch.int32), positions=torch.full((4,), 4095))
+    sinks, out = torch.zeros(64), torch.empty_like(q)
+    indices = torch.zeros(4, 512, dtype=torch.int32)
+    result = attention.sparse_attention(q, PageRef(table, 0, 16, 512), PageRef(table, 512, 16, 512), indices,
+                                        sinks, 0.5, 128, 4, batch, out, attention.GLUON_CONFIG)
+    return calls, plan, result, out
+
+
+def test_the_gluon_kernel_gets_the_plan_and_the_log2_scale(gluon_state, monkeypatch):
+    seen = []
+    calls, plan, result, out = _launch(monkeypatch, lambda *args: seen.append(args))
+    (q, storage, got_plan, row_align, sinks, qk_scale, got_out), = seen
+    assert got_plan is plan and got_out is out and result is out
+    assert row_align == calls["plan"][0] == 16   # the plan's unit is the kernel's row unit
+    assert qk_scale == pytest.approx(0.5 * attention.LOG2E)
+    assert calls["triton"] == 0
+
+
+def test_a_gluon_kernel_that_fails_to_build_hands_over_to_triton(gluon_state, monkeypatch, caplog):
+    def broken(*args):
+        raise triton.compiler.errors.CompilationError("src", None, "no thread_barrier in this Gluon")
+    calls, _, result, out = _launch(monkeypatch, broken)
+    assert calls["triton"] == 1 and result is out
+    assert gluon._BROKEN["reason"] is not None and "switched off" in caplog.text
+    # a switched-off kernel serves nothing: `supports` answers before looking at the launch
+    assert REAL_SUPPORTS(None, None, None, 640, 16) is False
+
+
+# ----------------------------------------------------------------------------- GPU (Hopper)
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _reference(q, storage, plan, row_align, sinks, scale):
+    """float32 softmax over each token's valid plan rows plus the sink (a logit, zero value)."""
+    flat = storage.reshape(-1).float()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for t in range(q.shape[0]):
+        ids = plan[t][plan[t] >= 0]
+        if ids.numel() == 0:
+            continue
+        rows = flat[(ids[:, None] * row_align + torch.arange(512, device=q.device)).reshape(-1)].reshape(-1, 512)
+        logits = torch.cat([q[t].float() @ rows.T * scale, sinks[:, None]], dim=1)
+        out[t] = logits.softmax(dim=1)[:, :-1] @ rows
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel is built for Hopper (sm_90)")
+@pytest.mark.parametrize("variant", [(64, 2, False), (32, 4, False), (64, 2, True), (32, 4, True)],
+                         ids=["n64st2", "n32st4", "n64st2-overlap", "n32st4-overlap"])
+@pytest.mark.parametrize("row_align, max_keys", [(16, 640), (8, 1152), (16, 2048)])
+def test_gluon_sparse_decode_matches_float32(row_align, max_keys, variant):
+    """Fresh random keys in a storage larger than L2, random valid counts (0, 1, a tile's edge,
+    all), NaN-poisoned output; the storage offset unit of the plan as production's; every
+    variant the probe times (ring slot size and depth, the overlapped consumer order)."""
+    gen = torch.Generator(device="cuda").manual_seed(row_align + max_keys)
+    tokens, rows = 37, 1 << 16   # 64 MB of key rows
+    storage = torch.randn(rows * 512 // row_align + 512, row_align, device="cuda", generator=gen).bfloat16()
+    q = (torch.randn(tokens, 64, 512, device="cuda", generator=gen) * (8 / 512) ** 0.5).bfloat16()
+    sinks = torch.randn(64, device="cuda", generator=gen)
+    counts = [0, 1, 63, 64, 65, max_keys] + torch.randint(0, max_keys + 1, (tokens - 6,), generator=gen,
+                                                          device="cuda").tolist()
+    plan = torch.full((tokens, max_keys), -1, dtype=torch.int64, device="cuda")
+    for t, n in enumerate(counts):
+        plan[t, :n] = torch.randint(0, rows, (n,), generator=gen, device="cuda") * (512 // row_align)
+    out = torch.full_like(q, float("nan"))
+    assert gluon.supports(q, storage, out, max_keys, row_align)
+    gluon.sparse_decode_gluon(q, storage, plan, row_align, sinks, 512 ** -0.5 * attention.LOG2E, out, *variant)
+    expected = _reference(q, storage, plan, row_align, sinks, 512 ** -0.5)
+    assert torch.isfinite(out).all()
+    assert (out[0] == 0).all()   # a token without keys: zeros
+    err = (out.float() - expected).norm() / expected.norm()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel is built for Hopper (sm_90)")
+@pytest.mark.parametrize("kind", ["csa", "hca", "sliding"])
+def test_v4_attention_runs_the_gluon_kernel_and_matches_the_reference(kind, monkeypatch):
+    """Through `sparse_attention` with V4-Flash heads, against the torch reference the Triton
+    kernels are tested with; the kernel must actually have run (a spy counts its launches)."""
+    from tests import test_deepseek_v4_kernels as t
+    launches = []
+    real = gluon.sparse_decode_gluon
+    monkeypatch.setattr(gluon, "sparse_decode_gluon", lambda *a: launches.append(1) or real(*a))
+    layer_kind = {"csa": t.CSA, "hca": t.HCA, "sliding": t.SLIDING}[kind]
+    for block_size in (16, 64):
+        err = t.check_attention(layer_kind, t.GPU_DECODES + t.GPU_SEQS, block_size, torch.bfloat16, "cuda",
+                                block_size, shape="flash", hca_rate=128, block_n=64, variant={"planned": True,
+                                                                                              "gluon": True})
+        assert err < t.TOL[torch.bfloat16]
+    assert launches
