@@ -44,6 +44,8 @@
 #   stage 12 (no carry needed):                       DeepSeek V4's Gluon sparse decode kernel: its GPU tests
 #                                                     (tests/test_v4_sparse_gluon.py), then the decode path
 #                                                     (v4_kernel_bench.py) with KVSERVE_GLUON_SPARSE=0 and =1
+#   stage 13 (no carry needed):                       shared-prefix (cascade) decode attention: its GPU test,
+#                                                     then cascade_decode_probe.py against the decode kernel
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -52,7 +54,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|12 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|13 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -156,5 +158,10 @@ case $stage in
       KVSERVE_GLUON_SPARSE=$on PYTHONPATH=$PWD timeout 150 python3 benchmarks/v4_kernel_bench.py --no-extras \
         --no-attention-grid --contexts 32768 131072 --batches 64 256 2>&1 | grep -v -i warn | tail -24
     done | tee "$OUT/v4_gluon_ab.txt" ;;
-  *) echo "stage must be 1, 2, 2b or 3 to 12"; exit 2 ;;
+  13)  # shared-prefix (cascade) decode attention: its GPU test, then against the decode kernel
+    PYTHONPATH=$PWD timeout 120 python3 -m pytest -q -m gpu tests/test_cascade_attention.py 2>&1 | tail -3 \
+      | tee "$OUT/gpu_tests_cascade.txt"
+    PYTHONPATH=$PWD timeout 300 python3 benchmarks/cascade_decode_probe.py 2>&1 | grep -v -i warn \
+      | tee "$OUT/cascade_probe.txt" ;;
+  *) echo "stage must be 1, 2, 2b or 3 to 13"; exit 2 ;;
 esac

@@ -1,0 +1,197 @@
+"""Shared-prefix (cascade) decode attention: a prefix that several running sequences share is
+read once per step for all of them, not once per sequence.
+
+Under ide-completion load, decode rows that share a file prefix (~700 tokens, the same cached
+blocks) each read it again every step; the plain decode kernel (`decode.py`) attends one
+sequence per program. Here a step's decode attention runs in three launches:
+- the prefix kernel: one program per (group, KV head, prefix split) loads the group's shared
+  prefix tiles once and attends every member's query heads over them (rows = members x the
+  GQA group), writing each member's partial (normalised output and log2-sum-exp);
+- the suffix kernel: one program per (sequence, KV head, split) attends the sequence's keys past
+  its group's prefix (all its keys when it is in no group) into further partial slots, and a
+  sequence in no group writes its prefix slots empty, so every slot is rewritten every step;
+- the decode kernel's reduce (`decode._decode_reduce_kernel`) merges the partials.
+`plan_groups` builds the groups on the host from the block tables: sequences whose leading
+blocks are the same block ids, at least two a group, at most MAX_MEMBERS (a larger set becomes
+several groups), the prefix cut to whole pages that end before each member's last key.
+
+Not yet wired into the attention backend: `benchmarks/cascade_decode_probe.py` times it against
+the decode kernel at served ide-completion shapes first. Full attention only (no sliding window).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.attention.kernels.common import dot_precision, split_range, store_split
+from kvserve.attention.kernels.decode import LOG2E, _attend_cached, _decode_reduce_kernel
+
+MAX_MEMBERS = 16   # members a prefix program holds: 16 x a GQA group of 4 = 64 query rows
+
+
+@dataclass
+class CascadePlan:
+    """One step's groups, as the kernels read them (all on the step's device):
+    tables [G, W] int32 (a group's prefix blocks), lens [G] int32 (its prefix tokens),
+    members [G, MAX_MEMBERS] int32 (sequence indices, -1 past the last) and skip [N] int32
+    (each sequence's prefix tokens, 0 outside any group)."""
+    tables: torch.Tensor
+    lens: torch.Tensor
+    members: torch.Tensor
+    skip: torch.Tensor
+
+    @property
+    def num_groups(self) -> int:
+        return self.lens.shape[0]
+
+
+def _shared_blocks(rows: list[list[int]]) -> int:
+    """Leading block ids all `rows` have in common."""
+    n = min(len(r) for r in rows)
+    for i in range(n):
+        if any(r[i] != rows[0][i] for r in rows[1:]):
+            return i
+    return n
+
+
+def plan_groups(block_rows: list[list[int]], seq_lens: list[int], page: int) -> list[tuple[list[int], int]]:
+    """Groups of sequences sharing leading blocks: (member indices, prefix tokens) with at least
+    two members, at most MAX_MEMBERS, and a prefix of whole pages that ends before each
+    member's last key (so every member keeps a suffix)."""
+    by_first: dict[int, list[int]] = {}
+    for i, row in enumerate(block_rows):
+        if row and seq_lens[i] > page:
+            by_first.setdefault(row[0], []).append(i)
+    groups = []
+    for members in by_first.values():
+        for k in range(0, len(members), MAX_MEMBERS):
+            chunk = members[k:k + MAX_MEMBERS]
+            if len(chunk) < 2:
+                continue
+            limit = min((seq_lens[i] - 1) // page for i in chunk)   # whole pages before the last key
+            blocks = min(_shared_blocks([block_rows[i] for i in chunk]), limit)
+            if blocks:
+                groups.append((chunk, blocks * page))
+    return groups
+
+
+def build_plan(block_rows: list[list[int]], seq_lens: list[int], page: int, device) -> CascadePlan:
+    """`plan_groups` as the kernels' tensors."""
+    groups = plan_groups(block_rows, seq_lens, page)
+    width = max([lens // page for _, lens in groups], default=1)
+    tables = torch.zeros(max(len(groups), 1), width, dtype=torch.int32)
+    members = torch.full((max(len(groups), 1), MAX_MEMBERS), -1, dtype=torch.int32)
+    lens = torch.zeros(len(groups), dtype=torch.int32)
+    skip = torch.zeros(len(seq_lens), dtype=torch.int32)
+    for g, (chunk, prefix) in enumerate(groups):
+        tables[g, :prefix // page] = torch.tensor(block_rows[chunk[0]][:prefix // page])
+        members[g, :len(chunk)] = torch.tensor(chunk)
+        lens[g] = prefix
+        skip[chunk] = prefix
+    return CascadePlan(tables[:len(groups)].to(device), lens.to(device), members[:len(groups)].to(device),
+                       skip.to(device))
+
+
+@triton.jit(do_not_specialize=["num_parts"])
+def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
+                   tables_ptr, lens_ptr, members_ptr, stride_qt, stride_qh, stride_gt,
+                   stride_cache_block, stride_cache_offset, stride_cache_head, num_parts, qk_scale,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SUFFIX_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program = (group, KV head, prefix split): every member's query heads of this KV head are
+    the rows; the shared prefix's keys are loaded once for all of them."""
+    g = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_R)
+    slot = rows // GROUP
+    seq = tl.load(members_ptr + g * MEMBERS + slot, mask=slot < MEMBERS, other=-1)
+    row_valid = seq >= 0
+    seq = tl.maximum(seq, 0)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+    start, end = split_range(tl.load(lens_ptr + g), split, PREFIX_SPLITS, BLOCK_N)
+    m_i, l_i, acc = _attend_cached(q, k_cache_ptr, v_cache_ptr, start, end, 0, 0, tables_ptr + g * stride_gt,
+                                   stride_cache_block, stride_cache_offset, kv_head * stride_cache_head, qk_scale,
+                                   BLOCK_R, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+    store_split(q_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
+                SUFFIX_SPLITS + split, num_parts, stride_qt, stride_qh, NUM_HEADS, HEAD_DIM, False)
+
+
+@triton.jit(do_not_specialize=["stride_table", "num_parts"])
+def _suffix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
+                   block_table_ptr, seq_lens_ptr, skip_ptr, stride_qt, stride_qh, stride_table,
+                   stride_cache_block, stride_cache_offset, stride_cache_head, num_parts, qk_scale,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SUFFIX_SPLITS: tl.constexpr,
+                   PREFIX_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program = (sequence, KV head, split): the sequence's keys past its prefix; split 0 of a
+    sequence in no group also empties its prefix slots (no memset before the step)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    skip = tl.load(skip_ptr + seq)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    rows = tl.arange(0, BLOCK_G)
+    row_valid = rows < GROUP
+    head = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+    start, end = split_range(tl.load(seq_lens_ptr + seq) - skip, split, SUFFIX_SPLITS, BLOCK_N)
+    m_i, l_i, acc = _attend_cached(q, k_cache_ptr, v_cache_ptr, skip + start, skip + end, 0, 0,
+                                   block_table_ptr + seq.to(tl.int64) * stride_table, stride_cache_block,
+                                   stride_cache_offset, kv_head * stride_cache_head, qk_scale,
+                                   BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+    store_split(q_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
+                split, num_parts, stride_qt, stride_qh, NUM_HEADS, HEAD_DIM, False)
+    if (split == 0) & (skip == 0):   # weight 0 and finite rows: the reduce multiplies them by 0
+        for p in tl.static_range(PREFIX_SPLITS):
+            part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_parts + SUFFIX_SPLITS + p
+            tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=row_valid)
+            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
+                     tl.zeros([BLOCK_G, HEAD_DIM], tl.float32), mask=row_valid[:, None])
+
+
+def cascade_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan: CascadePlan, scale: float,
+                             prefix_splits: int = 4, suffix_splits: int = 1, block_n: int = 64,
+                             parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """out[seq's token] = attention of its one query over its cached keys (full attention), the
+    groups' shared prefixes read once a group (`plan`); q/out [T, H, D], kv_cache
+    [2, blocks, page, KVH, D]. `parts`: the partials' buffers ([N, H, splits, D] and
+    [N, H, splits] float32, splits = suffix_splits + prefix_splits; a graph's static ones), every
+    slot of which the kernels rewrite; None allocates them."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_parts = suffix_splits + prefix_splits
+    part_out, part_lse = parts if parts is not None else (
+        torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device),
+        torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device))
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    common = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page, BLOCK_N=block_n,
+                  SUFFIX_SPLITS=suffix_splits, PREFIX_SPLITS=prefix_splits,
+                  DOT_PRECISION=dot_precision(kv_cache.dtype))
+    if plan.num_groups:
+        _prefix_kernel[(plan.num_groups, num_kv_heads, prefix_splits)](
+            q, k_cache, v_cache, part_out, part_lse, query_start_loc, plan.tables, plan.lens, plan.members,
+            q.stride(0), q.stride(1), plan.tables.stride(0), *cache_strides, num_parts, scale * LOG2E,
+            MEMBERS=MAX_MEMBERS, BLOCK_R=max(16, triton.next_power_of_2(MAX_MEMBERS * group)), **common)
+    _suffix_kernel[(num_seqs, num_kv_heads, suffix_splits)](
+        q, k_cache, v_cache, part_out, part_lse, query_start_loc, block_table, seq_lens, plan.skip,
+        q.stride(0), q.stride(1), block_table.stride(0), *cache_strides, num_parts, scale * LOG2E,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), **common)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1), num_parts, NUM_HEADS=num_heads,
+        SPLITS_POW2=max(2, triton.next_power_of_2(num_parts)), HEAD_DIM=head_dim, SINGLE_ONLY=False)
+    return out

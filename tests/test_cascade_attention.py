@@ -1,0 +1,151 @@
+"""Shared-prefix (cascade) decode attention (kvserve/attention/kernels/cascade.py): the groups
+the host forms from block tables, and the kernels under the Triton interpreter against a float64
+softmax over each sequence's whole context, on NaN-poisoned output; on a GPU (`gpu`), the same
+against the decode kernel at Qwen3-8B heads in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention.kernels import cascade
+from tests.triton_interpreter import run_interpreted
+
+
+def test_groups_need_two_members_sharing_leading_blocks():
+    rows = [[7, 8, 9], [7, 8, 4], [5, 6], [7, 8, 9, 10], [11, 12]]
+    lens = [48, 40, 30, 60, 20]
+    groups = cascade.plan_groups(rows, lens, page=16)
+    # 0, 1, 3 share blocks 7, 8; 2 and 4 are alone
+    assert groups == [([0, 1, 3], 32)]
+
+
+def test_a_prefix_stops_a_page_before_each_members_last_key():
+    """Sequence 1's 33 keys end in block 3's first slot: the prefix may take 2 pages; with 32 keys
+    its last key sits in the second page, so only one page is shared."""
+    rows = [[1, 2, 3], [1, 2, 3]]
+    assert cascade.plan_groups(rows, [48, 33], page=16) == [([0, 1], 32)]
+    assert cascade.plan_groups(rows, [48, 32], page=16) == [([0, 1], 16)]
+    assert cascade.plan_groups(rows, [16, 16], page=16) == []   # no whole page before the last key
+
+
+def test_large_sets_split_into_groups_of_at_most_max_members():
+    n = cascade.MAX_MEMBERS * 2 + 1
+    groups = cascade.plan_groups([[3, 4]] * n, [40] * n, page=16)
+    assert [len(m) for m, _ in groups] == [cascade.MAX_MEMBERS, cascade.MAX_MEMBERS]   # the one left alone
+    assert sorted(i for m, _ in groups for i in m) == list(range(cascade.MAX_MEMBERS * 2))
+
+
+def test_the_plan_tensors_name_each_members_prefix():
+    plan = cascade.build_plan([[7, 8, 9], [7, 8, 4], [5, 6]], [48, 40, 30], page=16, device="cpu")
+    assert plan.lens.tolist() == [32] and plan.tables.tolist() == [[7, 8]]
+    assert plan.members[0, :3].tolist() == [0, 1, -1]
+    assert plan.skip.tolist() == [32, 32, 0]
+
+
+def make_case(device: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, page: int,
+              prefixes: list[int], suffixes: list[int], owners: list[int], seed: int):
+    """Sequences whose context is a file prefix (`prefixes[owners[i]]` tokens, or none for
+    owner -1) in blocks shared by every sequence of that file, then `suffixes[i]` keys of its own;
+    the cache's other slots NaN (a stray read shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks, next_block = {}, 1
+    rows, lens = [], []
+    for owner, suffix in zip(owners, suffixes):
+        prefix = prefixes[owner] if owner >= 0 else 0
+        if owner >= 0 and owner not in blocks:
+            blocks[owner] = list(range(next_block, next_block + prefix // page))
+            next_block += prefix // page
+        own = -(-suffix // page)
+        rows.append((blocks[owner] if owner >= 0 else []) + list(range(next_block, next_block + own)))
+        next_block += own
+        lens.append(prefix + suffix)
+    cache = torch.full((2, next_block, page, kv_heads, dim), float("nan"))
+    for row, n in zip(rows, lens):
+        for k in range(n):
+            cache[:, row[k // page], k % page] = torch.randn(2, kv_heads, dim, generator=gen)
+    width = max(len(r) for r in rows)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), heads, dim, generator=gen)
+    return (q.to(device, dtype), cache.to(device, dtype), table.to(device), rows, lens)
+
+
+def reference(q, cache, rows, lens, scale):
+    """float64 softmax of each sequence's one query over all its keys."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // cache.shape[3]
+    for i, (row, n) in enumerate(zip(rows, lens)):
+        k = torch.stack([cache[0, row[j // cache.shape[2]], j % cache.shape[2]] for j in range(n)]).double()
+        v = torch.stack([cache[1, row[j // cache.shape[2]], j % cache.shape[2]] for j in range(n)]).double()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # [n, H, D]
+        p = torch.einsum("hd,nhd->hn", q[i].double().cpu(), k.cpu()) * scale
+        out[i] = torch.einsum("hn,nhd->hd", p.softmax(-1), v.cpu())
+    return out
+
+
+def interpreter_checks() -> None:
+    """Groups of 2 and 3, a set of MAX_MEMBERS + 2 sharing one file (a full group and a pair),
+    a sequence in no group, a prefix shorter than its splits; suffix splits past the keys."""
+    import triton
+    n_big = cascade.MAX_MEMBERS + 2
+    owners = [0, 1, 0, -1, 1, 1] + [2] * n_big
+    suffixes = [5, 17, 1, 40, 9, 3] + [1 + i % 7 for i in range(n_big)]
+    q, cache, table, rows, lens = make_case("cpu", torch.float32, heads=4, kv_heads=2, dim=16, page=4,
+                                            prefixes=[24, 8, 12], suffixes=suffixes, owners=owners, seed=0)
+    plan = cascade.build_plan(rows, lens, 4, "cpu")
+    assert sorted(len(m) for m, _ in cascade.plan_groups(rows, lens, 4)) == [2, 2, 3, cascade.MAX_MEMBERS]
+    out = torch.full_like(q, float("nan"))
+    qsl = torch.arange(len(rows) + 1, dtype=torch.int32)
+    # poisoned partials: a slot no kernel writes (an ungrouped sequence's prefix slots) shows
+    parts = (torch.full((len(rows), 4, 5, 16), float("nan")), torch.full((len(rows), 4, 5), float("nan")))
+    cascade.cascade_decode_attention(q, cache, out, table, qsl, torch.tensor(lens, dtype=torch.int32), plan,
+                                     0.25, prefix_splits=3, suffix_splits=2, block_n=16, parts=parts)
+    err = ((out.double() - reference(q, cache, rows, lens, 0.25)).abs().max()).item()
+    assert err < 1e-5, err
+    print("ok", triton.__version__)
+
+
+def test_cascade_kernels_under_interpreter():
+    out = run_interpreted("import torch; torch.set_num_threads(1); from tests import test_cascade_attention as t; "
+                          "t.interpreter_checks()", timeout=600)
+    assert out.startswith("ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_prefix", [1, 3, 16])
+def test_cascade_matches_the_decode_kernel_gpu(per_prefix):
+    """Qwen3-8B heads, bf16, 24 sequences of ~900 keys: 700-token prefixes shared `per_prefix`
+    ways, against the decode kernel on the same cache."""
+    from kvserve.attention.kernels.decode import decode_attention
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    owners = [i // per_prefix for i in range(24)]
+    suffixes = [150 + 13 * i % 120 for i in range(24)]
+    q, cache, table, rows, lens = make_case("cuda", torch.bfloat16, heads=32, kv_heads=8, dim=128, page=16,
+                                            prefixes=[704] * 24, suffixes=suffixes, owners=owners, seed=per_prefix)
+    cache = torch.nan_to_num(cache)   # the decode kernel's masked lanes multiply by the page's slots
+    qsl = torch.arange(25, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    plan = cascade.build_plan(rows, lens, 16, "cuda")
+    out = torch.full_like(q, float("nan"))
+    cascade.cascade_decode_attention(q, cache, out, table, qsl, seq_lens, plan, 128 ** -0.5)
+    expected = decode_attention(q, cache, torch.empty_like(q), table, qsl, seq_lens, max(lens), 128 ** -0.5, None, 0)
+    err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert err < 1e-2, err
+
+
+def test_cascade_kernels_compile_for_sm90():
+    """The interpreter runs code the compiler rejects: both kernels at Qwen3-8B heads in bf16,
+    compiled for sm_90 offline."""
+    from tests.test_deepseek_v4_kernels import compile_for_sm90
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr")} | {
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "tables_ptr": "*i32",
+        "lens_ptr": "*i32", "members_ptr": "*i32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "skip_ptr": "*i32"}
+    common = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, SUFFIX_SPLITS=1,
+                  PREFIX_SPLITS=4, DOT_PRECISION="tf32")
+    floats = frozenset({"qk_scale"})
+    prefix = compile_for_sm90(cascade._prefix_kernel, ptrs, common | dict(MEMBERS=cascade.MAX_MEMBERS, BLOCK_R=64),
+                              num_warps=4, num_stages=2, floats=floats, unaligned=frozenset({"num_parts"}))
+    suffix = compile_for_sm90(cascade._suffix_kernel, ptrs, common | dict(BLOCK_G=16), num_warps=4, num_stages=2,
+                              floats=floats, unaligned=frozenset({"num_parts", "stride_table"}))
+    assert prefix.asm["ptx"] and suffix.asm["ptx"]
