@@ -301,7 +301,7 @@ def _consumer_state(sinks_ptr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOC
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, HALF, 16])
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.load(sinks_ptr + heads) * 1.4426950408889634
+    m_i = gl.load(sinks_ptr + heads).to(gl.float32) * 1.4426950408889634   # a bf16 model may hold bf16 sinks
     l_i = gl.full([HEADS], 1.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
     return m_i, l_i, acc, gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
