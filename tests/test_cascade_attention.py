@@ -19,6 +19,22 @@ def test_groups_need_two_members_sharing_leading_blocks():
     assert groups == [([0, 1, 3], 32)]
 
 
+def test_shared_blocks_is_the_common_leading_run_of_every_row():
+    """Against a position-by-position walk over all rows: random rows over 4 block ids, sharing
+    random leading runs, some rows prefixes of others."""
+    import random
+    rng = random.Random(1)
+
+    def walk(rows):
+        n = min(len(r) for r in rows)
+        return next((i for i in range(n) if any(r[i] != rows[0][i] for r in rows)), n)
+    for _ in range(3000):
+        base = [rng.randrange(4) for _ in range(rng.randint(0, 6))]
+        rows = [base[:rng.randint(0, len(base))] + [rng.randrange(4) for _ in range(rng.randint(0, 4))]
+                for _ in range(rng.randint(1, 6))]
+        assert cascade._shared_blocks(rows) == walk(rows), rows
+
+
 def test_a_prefix_stops_a_page_before_each_members_last_key():
     """Sequence 1's 33 keys end in block 3's first slot: the prefix may take 2 pages; with 32 keys
     its last key sits in the second page, so only one page is shared."""

@@ -49,12 +49,13 @@ class CascadePlan:
 
 
 def _shared_blocks(rows: list[list[int]]) -> int:
-    """Leading block ids all `rows` have in common."""
-    n = min(len(r) for r in rows)
-    for i in range(n):
-        if any(r[i] != rows[0][i] for r in rows[1:]):
+    """Leading block ids all `rows` have in common: those of the lexicographically first and last
+    rows (min and max compare lists in C; the walk is over one pair only)."""
+    first, last = min(rows), max(rows)
+    for i, (a, b) in enumerate(zip(first, last)):
+        if a != b:
             return i
-    return n
+    return min(len(first), len(last))
 
 
 def plan_groups(block_rows: list[list[int]], seq_lens: list[int], page: int) -> list[tuple[list[int], int]]:
