@@ -115,9 +115,29 @@ def interpreter_checks() -> None:
     parts = (torch.full((len(rows), 4, 5, 16), float("nan")), torch.full((len(rows), 4, 5), float("nan")))
     cascade.cascade_decode_attention(q, cache, out, table, qsl, torch.tensor(lens, dtype=torch.int32), plan,
                                      0.25, prefix_splits=3, suffix_splits=2, block_n=16, parts=parts)
-    err = ((out.double() - reference(q, cache, rows, lens, 0.25)).abs().max()).item()
+    expected = reference(q, cache, rows, lens, 0.25)
+    err = ((out.double() - expected).abs().max()).item()
     assert err < 1e-5, err
+    fused_write_check(q, cache, table, rows, lens, plan, qsl, expected)
     print("ok", triton.__version__)
+
+
+def fused_write_check(q, cache, table, rows, lens, plan, qsl, expected) -> None:
+    """With new_kv, each sequence's newest key comes from k/v (its cache slot NaN before) and lands
+    in the slot; the output is the same."""
+    page = cache.shape[2]
+    slots = torch.tensor([row[(n - 1) // page] * page + (n - 1) % page for row, n in zip(rows, lens)])
+    k_new = torch.stack([cache[0, s // page, s % page] for s in slots.tolist()])
+    v_new = torch.stack([cache[1, s // page, s % page] for s in slots.tolist()])
+    holed = cache.clone()
+    for s in slots.tolist():
+        holed[:, s // page, s % page] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    cascade.cascade_decode_attention(q, holed, out, table, qsl, torch.tensor(lens, dtype=torch.int32), plan, 0.25,
+                                     prefix_splits=3, suffix_splits=2, block_n=16, new_kv=(k_new, v_new, slots))
+    err = ((out.double() - expected).abs().max()).item()
+    assert err < 1e-5, ("fused write", err)
+    assert torch.equal(holed.nan_to_num(7.0), cache.nan_to_num(7.0)), "the newest keys were not written to their slots"
 
 
 def test_cascade_kernels_under_interpreter():
@@ -156,12 +176,13 @@ def test_cascade_kernels_compile_for_sm90():
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr")} | {
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "tables_ptr": "*i32",
         "lens_ptr": "*i32", "members_ptr": "*i32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "skip_ptr": "*i32"}
+        "skip_ptr": "*i32", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "slot_mapping_ptr": "*i64"}
     common = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, SUFFIX_SPLITS=1,
                   PREFIX_SPLITS=4, DOT_PRECISION="tf32")
     floats = frozenset({"qk_scale"})
     prefix = compile_for_sm90(cascade._prefix_kernel, ptrs, common | dict(MEMBERS=cascade.MAX_MEMBERS, BLOCK_R=64),
                               num_warps=4, num_stages=2, floats=floats, unaligned=frozenset({"num_parts"}))
-    suffix = compile_for_sm90(cascade._suffix_kernel, ptrs, common | dict(BLOCK_G=16), num_warps=4, num_stages=2,
+    suffix = compile_for_sm90(cascade._suffix_kernel, ptrs, common | dict(BLOCK_G=16, WRITE_NEW=True), num_warps=4,
+                              num_stages=2,
                               floats=floats, unaligned=frozenset({"num_parts", "stride_table"}))
     assert prefix.asm["ptx"] and suffix.asm["ptx"]

@@ -10,6 +10,8 @@ sequence per program. Here a step's decode attention runs in three launches:
 - the suffix kernel: one program per (sequence, KV head, split) attends the sequence's keys past
   its group's prefix (all its keys when it is in no group) into further partial slots, and a
   sequence in no group writes its prefix slots empty, so every slot is rewritten every step;
+  with `new_kv` it also takes the step's own key from the step's K/V and writes it to the cache,
+  as the decode kernel does (a prefix never reaches a sequence's last key);
 - the decode kernel's reduce (`decode._decode_reduce_kernel`) merges the partials.
 `plan_groups` builds the groups on the host from the block tables: sequences whose leading
 blocks are the same block ids, at least two a group, at most MAX_MEMBERS (a larger set becomes
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.kernels.common import dot_precision, split_range, store_split
-from kvserve.attention.kernels.decode import LOG2E, _attend_cached, _decode_reduce_kernel
+from kvserve.attention.kernels.decode import LOG2E, _attend_and_store_newest, _attend_cached, _decode_reduce_kernel
 
 MAX_MEMBERS = 16   # members a prefix program holds: 16 x a GQA group of 4 = 64 query rows
 
@@ -130,11 +132,14 @@ def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, 
 def _suffix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
                    block_table_ptr, seq_lens_ptr, skip_ptr, stride_qt, stride_qh, stride_table,
                    stride_cache_block, stride_cache_offset, stride_cache_head, num_parts, qk_scale,
+                   k_new_ptr, v_new_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SUFFIX_SPLITS: tl.constexpr,
-                   PREFIX_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   PREFIX_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_NEW: tl.constexpr):
     """Program = (sequence, KV head, split): the sequence's keys past its prefix; split 0 of a
-    sequence in no group also empties its prefix slots (no memset before the step)."""
+    sequence in no group also empties its prefix slots (no memset before the step). WRITE_NEW:
+    the step's own key (the last) comes from k_new/v_new, attended and stored into its cache slot
+    by the split that owns it, as the decode kernel does (no prefix reaches it)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -146,11 +151,22 @@ def _suffix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, 
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
-    start, end = split_range(tl.load(seq_lens_ptr + seq) - skip, split, SUFFIX_SPLITS, BLOCK_N)
-    m_i, l_i, acc = _attend_cached(q, k_cache_ptr, v_cache_ptr, skip + start, skip + end, 0, 0,
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start, end = split_range(seq_len - skip, split, SUFFIX_SPLITS, BLOCK_N)
+    start, end = skip + start, skip + end
+    newest = seq_len - 1
+    cached_end = end
+    if WRITE_NEW:
+        cached_end = tl.minimum(end, newest)
+    m_i, l_i, acc = _attend_cached(q, k_cache_ptr, v_cache_ptr, start, cached_end, 0, 0,
                                    block_table_ptr + seq.to(tl.int64) * stride_table, stride_cache_block,
                                    stride_cache_offset, kv_head * stride_cache_head, qk_scale,
                                    BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+    if WRITE_NEW:
+        m_i, l_i, acc = _attend_and_store_newest(
+            q, m_i, l_i, acc, qk_scale, (start <= newest) & (newest < end), token, kv_head, k_new_ptr, v_new_ptr,
+            slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr,
+            stride_cache_block, stride_cache_offset, kv_head * stride_cache_head, HEAD_DIM, PAGE_SIZE)
     store_split(q_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
                 split, num_parts, stride_qt, stride_qh, NUM_HEADS, HEAD_DIM, False)
     if (split == 0) & (skip == 0):   # weight 0 and finite rows: the reduce multiplies them by 0
@@ -164,12 +180,15 @@ def _suffix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, 
 def cascade_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan: CascadePlan, scale: float,
                              prefix_splits: int = 4, suffix_splits: int = 1, block_n: int = 64,
-                             parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                             parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[seq's token] = attention of its one query over its cached keys (full attention), the
     groups' shared prefixes read once a group (`plan`); q/out [T, H, D], kv_cache
     [2, blocks, page, KVH, D]. `parts`: the partials' buffers ([N, H, splits, D] and
     [N, H, splits] float32, splits = suffix_splits + prefix_splits; a graph's static ones), every
-    slot of which the kernels rewrite; None allocates them."""
+    slot of which the kernels rewrite; None allocates them. `new_kv = (k, v, slot_mapping)`:
+    the step's own keys come from k/v and are written to the cache by this launch (a negative
+    slot skips the write), as `decode_attention`'s."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
@@ -188,10 +207,12 @@ def cascade_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch
             q, k_cache, v_cache, part_out, part_lse, query_start_loc, plan.tables, plan.lens, plan.members,
             q.stride(0), q.stride(1), plan.tables.stride(0), *cache_strides, num_parts, scale * LOG2E,
             MEMBERS=MAX_MEMBERS, BLOCK_R=max(16, triton.next_power_of_2(MAX_MEMBERS * group)), **common)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)   # never read without new_kv
     _suffix_kernel[(num_seqs, num_kv_heads, suffix_splits)](
         q, k_cache, v_cache, part_out, part_lse, query_start_loc, block_table, seq_lens, plan.skip,
         q.stride(0), q.stride(1), block_table.stride(0), *cache_strides, num_parts, scale * LOG2E,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), **common)
+        k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), WRITE_NEW=new_kv is not None, **common)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1), num_parts, NUM_HEADS=num_heads,
         SPLITS_POW2=max(2, triton.next_power_of_2(num_parts)), HEAD_DIM=head_dim, SINGLE_ONLY=False)
