@@ -70,8 +70,8 @@ def run_case(cache, n: int, sharing: str, prefix_splits: int) -> None:
     plan_us = (time.perf_counter() - start) * 1e6
     scale, plain_out, out = DIM ** -0.5, torch.empty_like(q), torch.empty_like(q)
     plain = lambda: decode_attention(q, cache, plain_out, table, qsl, seq_lens, max(lens), scale, None, 0)  # noqa: E731
-    casc = lambda: cascade.cascade_decode_attention(q, cache, out, table, qsl, seq_lens, plan, scale,  # noqa: E731
-                                                    prefix_splits=prefix_splits)
+    casc = lambda: cascade.cascade_decode_attention(q, cache, out, table, qsl, seq_lens, max(lens), scale,  # noqa: E731
+                                                    plan, prefix_splits=prefix_splits)
     plain(), casc()
     err = ((out.float() - plain_out.float()).norm() / plain_out.float().norm()).item()
     t_plain, t_casc = do_bench_cudagraph(plain, rep=50) * 1e3, do_bench_cudagraph(casc, rep=50) * 1e3

@@ -4,10 +4,12 @@ softmax over each sequence's whole context, on NaN-poisoned output; on a GPU (`g
 against the decode kernel at Qwen3-8B heads in bf16."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvserve.attention.kernels import cascade
+from kvserve.attention.kernels.decode import DecodeConfig
 from tests.triton_interpreter import run_interpreted
 
 
@@ -32,7 +34,8 @@ def test_shared_blocks_is_the_common_leading_run_of_every_row():
         base = [rng.randrange(4) for _ in range(rng.randint(0, 6))]
         rows = [base[:rng.randint(0, len(base))] + [rng.randrange(4) for _ in range(rng.randint(0, 4))]
                 for _ in range(rng.randint(1, 6))]
-        assert cascade._shared_blocks(rows) == walk(rows), rows
+        table, chunk = cascade.as_table(rows), np.arange(len(rows))
+        assert cascade._shared_blocks(table, chunk, min(len(r) for r in rows)) == walk(rows), rows
 
 
 def test_a_prefix_stops_a_page_before_each_members_last_key():
@@ -98,6 +101,10 @@ def reference(q, cache, rows, lens, scale):
     return out
 
 
+# 16-key tiles (the interpreter's small heads), the decode kernel's warps and stages
+TILES16 = DecodeConfig(block_n=16, split_block_n=16)
+
+
 def interpreter_checks() -> None:
     """Groups of 2 and 3, a set of MAX_MEMBERS + 2 sharing one file (a full group and a pair),
     a sequence in no group, a prefix shorter than its splits; suffix splits past the keys."""
@@ -113,8 +120,8 @@ def interpreter_checks() -> None:
     qsl = torch.arange(len(rows) + 1, dtype=torch.int32)
     # poisoned partials: a slot no kernel writes (an ungrouped sequence's prefix slots) shows
     parts = (torch.full((len(rows), 4, 5, 16), float("nan")), torch.full((len(rows), 4, 5), float("nan")))
-    cascade.cascade_decode_attention(q, cache, out, table, qsl, torch.tensor(lens, dtype=torch.int32), plan,
-                                     0.25, prefix_splits=3, suffix_splits=2, block_n=16, parts=parts)
+    cascade.cascade_decode_attention(q, cache, out, table, qsl, torch.tensor(lens, dtype=torch.int32), max(lens),
+                                     0.25, plan, prefix_splits=3, suffix_splits=2, config=TILES16, parts=parts)
     expected = reference(q, cache, rows, lens, 0.25)
     err = ((out.double() - expected).abs().max()).item()
     assert err < 1e-5, err
@@ -133,8 +140,8 @@ def fused_write_check(q, cache, table, rows, lens, plan, qsl, expected) -> None:
     for s in slots.tolist():
         holed[:, s // page, s % page] = float("nan")
     out = torch.full_like(q, float("nan"))
-    cascade.cascade_decode_attention(q, holed, out, table, qsl, torch.tensor(lens, dtype=torch.int32), plan, 0.25,
-                                     prefix_splits=3, suffix_splits=2, block_n=16, new_kv=(k_new, v_new, slots))
+    cascade.cascade_decode_attention(q, holed, out, table, qsl, torch.tensor(lens, dtype=torch.int32), max(lens),
+                                     0.25, plan, new_kv=(k_new, v_new, slots), prefix_splits=3, config=TILES16)
     err = ((out.double() - expected).abs().max()).item()
     assert err < 1e-5, ("fused write", err)
     assert torch.equal(holed.nan_to_num(7.0), cache.nan_to_num(7.0)), "the newest keys were not written to their slots"
@@ -163,7 +170,7 @@ def test_cascade_matches_the_decode_kernel_gpu(per_prefix):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     plan = cascade.build_plan(rows, lens, 16, "cuda")
     out = torch.full_like(q, float("nan"))
-    cascade.cascade_decode_attention(q, cache, out, table, qsl, seq_lens, plan, 128 ** -0.5)
+    cascade.cascade_decode_attention(q, cache, out, table, qsl, seq_lens, max(lens), 128 ** -0.5, plan)
     expected = decode_attention(q, cache, torch.empty_like(q), table, qsl, seq_lens, max(lens), 128 ** -0.5, None, 0)
     err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
     assert err < 1e-2, err

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kvserve.attention.kernels.common import dot_precision, split_range, store_split
-from kvserve.attention.kernels.decode import LOG2E, _attend_and_store_newest, _attend_cached, _decode_reduce_kernel
+from kvserve.attention.kernels.decode import (LOG2E, DecodeConfig, _attend_and_store_newest, _attend_cached,
+                                              _decode_reduce_kernel, plan_splits, sm_count)
 
 MAX_MEMBERS = 16   # members a prefix program holds: 16 x a GQA group of 4 = 64 query rows
+PREFIX_SPLITS = 4  # programs a group's prefix per KV head: ~176 keys each of a 704-token file
 
 
 @dataclass
@@ -50,52 +53,86 @@ class CascadePlan:
         return self.lens.shape[0]
 
 
-def _shared_blocks(rows: list[list[int]]) -> int:
-    """Leading block ids all `rows` have in common: those of the lexicographically first and last
-    rows (min and max compare lists in C; the walk is over one pair only)."""
-    first, last = min(rows), max(rows)
-    for i, (a, b) in enumerate(zip(first, last)):
-        if a != b:
-            return i
-    return min(len(first), len(last))
+def as_table(rows) -> np.ndarray:
+    """Block rows as a [B, W] int32 table: an array as it is, ragged lists padded with -1."""
+    if isinstance(rows, np.ndarray):
+        return rows
+    width = max((len(r) for r in rows), default=0)
+    return np.array([list(r) + [-1] * (width - len(r)) for r in rows], dtype=np.int32).reshape(len(rows), width)
 
 
-def plan_groups(block_rows: list[list[int]], seq_lens: list[int], page: int) -> list[tuple[list[int], int]]:
+def _shared_blocks(table: np.ndarray, chunk: np.ndarray, limit: int) -> int:
+    """Leading block ids, up to `limit`, that every row of `chunk` has in common."""
+    same = (table[chunk, :limit] == table[chunk[0], :limit]).all(axis=0)
+    return limit if same.all() else int(same.argmin())
+
+
+def plan_groups(rows, seq_lens, page: int) -> list[tuple[list[int], int]]:
     """Groups of sequences sharing leading blocks: (member indices, prefix tokens) with at least
     two members, at most MAX_MEMBERS, and a prefix of whole pages that ends before each
-    member's last key (so every member keeps a suffix)."""
-    by_first: dict[int, list[int]] = {}
-    for i, row in enumerate(block_rows):
-        if row and seq_lens[i] > page:
-            by_first.setdefault(row[0], []).append(i)
+    member's last key (so every member keeps a suffix). `rows`: a block table ([B, W], the
+    host batch's) or ragged lists of block ids."""
+    table, lens = as_table(rows), np.asarray(seq_lens)
+    eligible = np.flatnonzero(lens > page)
+    if len(eligible) < 2:
+        return []
+    firsts, inverse = np.unique(table[eligible, 0], return_inverse=True)
     groups = []
-    for members in by_first.values():
-        for k in range(0, len(members), MAX_MEMBERS):
+    for f in range(len(firsts)):
+        members = eligible[inverse == f]
+        for k in range(0, len(members) - 1, MAX_MEMBERS):
             chunk = members[k:k + MAX_MEMBERS]
             if len(chunk) < 2:
                 continue
-            limit = min((seq_lens[i] - 1) // page for i in chunk)   # whole pages before the last key
-            blocks = min(_shared_blocks([block_rows[i] for i in chunk]), limit)
+            limit = int(((lens[chunk] - 1) // page).min())   # whole pages before the last key
+            blocks = _shared_blocks(table, chunk, limit)
             if blocks:
-                groups.append((chunk, blocks * page))
+                groups.append((chunk.tolist(), blocks * page))
     return groups
 
 
-def build_plan(block_rows: list[list[int]], seq_lens: list[int], page: int, device) -> CascadePlan:
-    """`plan_groups` as the kernels' tensors."""
-    groups = plan_groups(block_rows, seq_lens, page)
-    width = max([lens // page for _, lens in groups], default=1)
-    tables = torch.zeros(max(len(groups), 1), width, dtype=torch.int32)
-    members = torch.full((max(len(groups), 1), MAX_MEMBERS), -1, dtype=torch.int32)
-    lens = torch.zeros(len(groups), dtype=torch.int32)
-    skip = torch.zeros(len(seq_lens), dtype=torch.int32)
-    for g, (chunk, prefix) in enumerate(groups):
-        tables[g, :prefix // page] = torch.tensor(block_rows[chunk[0]][:prefix // page])
-        members[g, :len(chunk)] = torch.tensor(chunk)
-        lens[g] = prefix
-        skip[chunk] = prefix
-    return CascadePlan(tables[:len(groups)].to(device), lens.to(device), members[:len(groups)].to(device),
-                       skip.to(device))
+def build_plan(rows, seq_lens, page: int, device) -> CascadePlan:
+    """`plan_groups` as the kernels' tensors (an eager step's; graphs use `CascadeBuffers`)."""
+    groups = plan_groups(rows, seq_lens, page)
+    buffers = CascadeBuffers(len(seq_lens), max(len(groups), 1), max([n // page for _, n in groups], default=1),
+                             "cpu")
+    buffers.write(groups, as_table(rows), len(seq_lens), page)
+    plan = buffers.plan(len(seq_lens), len(groups))
+    return CascadePlan(*(t.to(device) for t in (plan.tables, plan.lens, plan.members, plan.skip)))
+
+
+class CascadeBuffers:
+    """A CUDA graph's plan: static tensors for up to `max_groups` groups of prefixes up to `width`
+    blocks and `max_seqs` sequences, rewritten in full before every replay (groups past the
+    step's: no prefix, no members; sequences in none: skip 0)."""
+
+    def __init__(self, max_seqs: int, max_groups: int, width: int, device) -> None:
+        self.tables = torch.zeros(max_groups, width, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(max_groups, dtype=torch.int32, device=device)
+        self.members = torch.full((max_groups, MAX_MEMBERS), -1, dtype=torch.int32, device=device)
+        self.skip = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+
+    def plan(self, num_seqs: int, num_groups: int) -> CascadePlan:
+        return CascadePlan(self.tables[:num_groups], self.lens[:num_groups], self.members[:num_groups],
+                           self.skip[:num_seqs])
+
+    def write(self, groups: list[tuple[list[int], int]], table: np.ndarray, num_seqs: int, page: int) -> int:
+        """Rewrite the buffers for a step's `groups` (the first max_groups, whose prefixes fit the
+        width; the others' sequences stay ungrouped) over `num_seqs` rows; returns the count kept."""
+        max_groups, width = self.tables.shape
+        kept = [(m, n) for m, n in groups if n // page <= width][:max_groups]
+        tables = np.zeros((max_groups, width), dtype=np.int32)
+        lens = np.zeros(max_groups, dtype=np.int32)
+        members = np.full((max_groups, MAX_MEMBERS), -1, dtype=np.int32)
+        skip = np.zeros(self.skip.shape[0], dtype=np.int32)
+        for g, (chunk, prefix) in enumerate(kept):
+            tables[g, :prefix // page] = table[chunk[0], :prefix // page]
+            members[g, :len(chunk)] = chunk
+            lens[g] = prefix
+            skip[chunk] = prefix
+        for dst, src in ((self.tables, tables), (self.lens, lens), (self.members, members), (self.skip, skip)):
+            dst.copy_(torch.from_numpy(src), non_blocking=dst.is_cuda)
+        return len(kept)
 
 
 @triton.jit(do_not_specialize=["num_parts"])
@@ -178,41 +215,47 @@ def _suffix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, 
 
 
 def cascade_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
-                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, plan: CascadePlan, scale: float,
-                             prefix_splits: int = 4, suffix_splits: int = 1, block_n: int = 64,
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                             plan: CascadePlan, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                              parts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                             prefix_splits: int = PREFIX_SPLITS, suffix_splits: int | None = None,
+                             config: DecodeConfig = DecodeConfig()) -> torch.Tensor:
     """out[seq's token] = attention of its one query over its cached keys (full attention), the
     groups' shared prefixes read once a group (`plan`); q/out [T, H, D], kv_cache
-    [2, blocks, page, KVH, D]. `parts`: the partials' buffers ([N, H, splits, D] and
-    [N, H, splits] float32, splits = suffix_splits + prefix_splits; a graph's static ones), every
-    slot of which the kernels rewrite; None allocates them. `new_kv = (k, v, slot_mapping)`:
+    [2, blocks, page, KVH, D], arguments as `decode_attention`'s. `new_kv = (k, v, slot_mapping)`:
     the step's own keys come from k/v and are written to the cache by this launch (a negative
-    slot skips the write), as `decode_attention`'s."""
+    slot skips the write). The suffixes split as the decode kernel's launches would
+    (`suffix_splits` None: `decode.plan_splits` for `max_seq_len`, and its tiles). `parts`: the
+    partials' buffers ([N, H, splits, D] and [N, H, splits] float32, every slot of which the
+    kernels rewrite); None allocates them."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
+    if suffix_splits is None:
+        suffix_splits = plan_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(q.device), config)
     num_parts = suffix_splits + prefix_splits
     part_out, part_lse = parts if parts is not None else (
         torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device),
         torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    common = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page, BLOCK_N=block_n,
-                  SUFFIX_SPLITS=suffix_splits, PREFIX_SPLITS=prefix_splits,
-                  DOT_PRECISION=dot_precision(kv_cache.dtype))
-    if plan.num_groups:
+    common = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page, SUFFIX_SPLITS=suffix_splits,
+                  PREFIX_SPLITS=prefix_splits, DOT_PRECISION=dot_precision(kv_cache.dtype))
+    if plan.num_groups:   # the decode kernel's unsplit tiles: a prefix split is a few hundred keys
         _prefix_kernel[(plan.num_groups, num_kv_heads, prefix_splits)](
             q, k_cache, v_cache, part_out, part_lse, query_start_loc, plan.tables, plan.lens, plan.members,
             q.stride(0), q.stride(1), plan.tables.stride(0), *cache_strides, num_parts, scale * LOG2E,
-            MEMBERS=MAX_MEMBERS, BLOCK_R=max(16, triton.next_power_of_2(MAX_MEMBERS * group)), **common)
+            MEMBERS=MAX_MEMBERS, BLOCK_R=max(16, triton.next_power_of_2(MAX_MEMBERS * group)),
+            BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages, **common)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)   # never read without new_kv
+    block_n, num_warps, num_stages = config.tile(suffix_splits)
     _suffix_kernel[(num_seqs, num_kv_heads, suffix_splits)](
         q, k_cache, v_cache, part_out, part_lse, query_start_loc, block_table, seq_lens, plan.skip,
         q.stride(0), q.stride(1), block_table.stride(0), *cache_strides, num_parts, scale * LOG2E,
         k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        BLOCK_G=max(16, triton.next_power_of_2(group)), WRITE_NEW=new_kv is not None, **common)
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, WRITE_NEW=new_kv is not None,
+        num_warps=num_warps, num_stages=num_stages, **common)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1), num_parts, NUM_HEADS=num_heads,
         SPLITS_POW2=max(2, triton.next_power_of_2(num_parts)), HEAD_DIM=head_dim, SINGLE_ONLY=False)
