@@ -126,7 +126,40 @@ def interpreter_checks() -> None:
     err = ((out.double() - expected).abs().max()).item()
     assert err < 1e-5, err
     fused_write_check(q, cache, table, rows, lens, plan, qsl, expected)
+    backend_check(q, cache, table, rows, lens)
     print("ok", triton.__version__)
+
+
+def backend_check(q, cache, table, rows, lens) -> None:
+    """The Triton backend's decode step with the runner's plan in the metadata (`meta.cascade`)
+    against the same step without it: the same output and the same cache after (the fused write);
+    a sliding-window layer ignores the plan."""
+    from kvserve.attention.backend import get_backend
+    from kvserve.attention.metadata import AttentionMetadata
+    from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
+    from tests.test_triton_kernels import _layer
+    page, n = cache.shape[2], len(rows)
+    slots = torch.tensor([row[(m - 1) // page] * page + (m - 1) % page for row, m in zip(rows, lens)])
+    k_new = torch.stack([cache[0, s // page, s % page] for s in slots.tolist()])
+    v_new = torch.stack([cache[1, s // page, s % page] for s in slots.tolist()])
+    from kvserve.attention import triton_backend
+    calls, real = [], triton_backend.cascade_decode_attention
+    triton_backend.cascade_decode_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    outs, caches = [], []
+    for plan in (None, cascade.build_plan(table.numpy(), np.array(lens), page, "cpu")):
+        for spec in (FullAttentionSpec(), SlidingWindowSpec(window=9)):
+            holed = cache.clone()
+            holed[:, slots // page, slots % page] = float("nan")
+            meta = AttentionMetadata(n, n, page, torch.arange(n + 1, dtype=torch.int32),
+                                     torch.tensor(lens, dtype=torch.int32), [table], [slots], 1, max(lens),
+                                     [1] * n, list(lens), cascade=plan)
+            outs.append(get_backend("triton").forward(q, k_new, v_new, holed, _layer(spec, 4, 2, 16), meta))
+            caches.append(holed.nan_to_num(7.0))
+    triton_backend.cascade_decode_attention = real
+    assert len(calls) == 1   # the full-attention layer with the plan, only
+    for a, b in ((0, 2), (1, 3)):   # full with and without the plan; sliding with and without
+        assert (outs[a] - outs[b]).abs().max().item() < 1e-5, ("backend", a, b)
+        assert torch.equal(caches[a], caches[b])
 
 
 def fused_write_check(q, cache, table, rows, lens, plan, qsl, expected) -> None:
@@ -193,3 +226,70 @@ def test_cascade_kernels_compile_for_sm90():
                               num_stages=2,
                               floats=floats, unaligned=frozenset({"num_parts", "stride_table"}))
     assert prefix.asm["ptx"] and suffix.asm["ptx"]
+
+
+def test_the_runner_plans_cascade_only_where_it_serves(monkeypatch):
+    """KVSERVE_CASCADE=1 on CUDA with one KV group and no tensor parallelism; never otherwise."""
+    from kvserve.runner.model_runner import KVLayout, _cascade_wanted
+    layout = KVLayout(64, 16, 2, 1, (0, 1), 8, 128, torch.bfloat16)
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(cascade.ENV, raising=False)
+    assert not _cascade_wanted(cuda, layout, None)
+    monkeypatch.setenv(cascade.ENV, "1")
+    assert _cascade_wanted(cuda, layout, None)
+    assert not _cascade_wanted(torch.device("cpu"), layout, None)
+    assert not _cascade_wanted(cuda, KVLayout(64, 16, 2, 2, (0, 1), 8, 128, torch.bfloat16), None)
+    assert not _cascade_wanted(cuda, layout, object())   # a tensor-parallel step channel
+
+
+def test_graph_buffers_rewrite_every_slot_and_cap_the_groups():
+    """A graph's buffers after a step with 3 groups, then one with 1 under a cap of 1: no group or
+    skip of the first step survives; a group past the cap leaves its members ungrouped."""
+    rows = [[1, 2, 5], [1, 2, 6], [3, 4, 7], [3, 4, 8], [9, 10, 11], [9, 10, 12]]
+    table, lens = cascade.as_table(rows), np.array([40] * 6)
+    groups = cascade.plan_groups(table, lens, 16)
+    buffers = cascade.CascadeBuffers(8, 4, 8, "cpu")
+    assert buffers.write(groups, table, 6, 16) == 3
+    assert buffers.skip.tolist() == [32] * 6 + [0, 0] and buffers.lens.tolist() == [32, 32, 32, 0]
+    assert buffers.write(groups, table, 6, 16, limit=1) == 1
+    assert buffers.skip.tolist() == [32, 32, 0, 0, 0, 0, 0, 0]
+    assert buffers.lens.tolist() == [32, 0, 0, 0] and (buffers.members[1:] == -1).all()
+    assert buffers.tables[0, :2].tolist() == [1, 2] and (buffers.tables[1:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False])
+def test_engine_with_cascade_keeps_greedy_outputs_gpu(tmp_path, monkeypatch, eager):
+    """Prompts sharing file prefixes (three and seven a file, and alone), float32: the same tokens
+    with KVSERVE_CASCADE=1 as without, the cascade kernels run in every decode step, in graphs
+    and eagerly."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.attention import triton_backend
+    from tests.tiny_models import random_prompts, save_tiny_checkpoint
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = save_tiny_checkpoint("qwen3", tmp_path / "q", max_position_embeddings=1024)
+    files = random_prompts([200, 330, 96], seed=5)
+    tails = random_prompts([3 + i % 11 for i in range(14)], seed=6)
+    owners = [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, -1, -1, 0]
+    prompts = [{"prompt_token_ids": (files[o] if o >= 0 else []) + t} for o, t in zip(owners, tails)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def run(flag: str):
+        monkeypatch.setenv(cascade.ENV, flag)
+        llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=1024, kv_cache_memory_gb=1,
+                  enforce_eager=eager, block_size=16)
+        llm.generate(prompts[:1], params, use_tqdm=False)   # file 0 cached: later requests share its blocks
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+    calls, real = [], triton_backend.cascade_decode_attention
+    monkeypatch.setattr(triton_backend, "cascade_decode_attention",
+                        lambda *a, **kw: calls.append(a[8].num_groups) or real(*a, **kw))
+    plain, _ = run("0")
+    assert not calls
+    tokens, llm = run("1")
+    assert tokens == plain
+    graphs = llm.engine.runner.graphs
+    if eager:
+        assert graphs is None and max(calls) >= 1   # eager decode steps planned real groups
+    else:   # the last replay's buffers hold the step's groups (capture alone calls the spy)
+        assert sum(graphs.num_replays.values()) > 0 and (graphs.cascade.lens > 0).any()

@@ -49,6 +49,9 @@ class AttentionMetadata:
     # Set only in captured mixed-step graphs: the varlen kernel's grid comes
     # from this table, not from the host lengths above (which are bounds there).
     prefill_tiles: PrefillTiles | None = None
+    # Set only on decode steps with KVSERVE_CASCADE=1 (one full-attention KV group): the step's
+    # shared-prefix groups (`kernels/cascade.py` CascadePlan), read once a group by the backend.
+    cascade: Any = None
 
     def fresh_key_share(self) -> float:
         """The prompt rows' causal work over their own chunks (about q_len^2 / 2 keys a

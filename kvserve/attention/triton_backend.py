@@ -1,7 +1,8 @@
 """The Triton attention backend: paged KV write + prefill / decode kernels.
 
 Owns the choice of kernel per batch: decode-only batches (max_query_len == 1)
-go to the split-KV decode kernel. In any batch with a longer query (prefill,
+go to the split-KV decode kernel (with a shared-prefix plan in the metadata, full-attention
+layers to the cascade kernels, `kernels/cascade.py`). In any batch with a longer query (prefill,
 chunked prefill, or prefill mixed with decodes) the one-query sequences still
 go to the decode kernel and the rest to the varlen prefill kernel
 (`kernels/mixed.py`; in large eager steps the prompt rows read their own
@@ -18,6 +19,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
+from kvserve.attention.kernels.cascade import cascade_decode_attention
 from kvserve.attention.kernels.mixed import short_chunk_bound, takes_tma, tma_gates
 from kvserve.attention.metadata import AttentionMetadata
 
@@ -38,6 +40,9 @@ class TritonAttentionBackend:
         args = (q, kv_cache, out, meta.block_tables[layer.group_id],
                 meta.query_start_loc, meta.seq_lens)
         if meta.is_decode_only:  # the decode kernel writes the new K/V itself
+            if meta.cascade is not None and window is None and not sink:   # shared prefixes read once
+                return cascade_decode_attention(*args, meta.max_seq_len, layer.scale, meta.cascade,
+                                                new_kv=(k, v, slots))
             return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink,
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)

@@ -29,6 +29,9 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sampling_rows: list[ScheduledRequest]
     host: "HostBatch"
+    # A decode step's shared-prefix groups and its host block table (KVSERVE_CASCADE=1; the runner's
+    # `_plan_cascade`), or None.
+    cascade: tuple | None = None
 
 
 @dataclass

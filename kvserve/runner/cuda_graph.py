@@ -56,7 +56,7 @@ def capture_graph(run, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDA
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, num_groups: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, device: torch.device) -> None:
+                 max_num_seqs: int, device: torch.device, cascade: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -76,6 +76,12 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         # Replays per (size, bucket): tests assert graphs ran, not merely exist.
         self.num_replays: dict[tuple[int, int], int] = {}
+        # Shared-prefix decode (`kernels/cascade.py`): each graph plans `graph_groups(size)` groups
+        # over these buffers, which `run` rewrites from the step's groups.
+        self.cascade = None
+        if cascade:
+            from kvserve.attention.kernels.cascade import CascadeBuffers, MAX_GRAPH_GROUPS
+            self.cascade = CascadeBuffers(n, MAX_GRAPH_GROUPS, width, device)
 
     def _meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -84,7 +90,14 @@ class DecodeGraphs:
             block_tables=[t[:size] for t in self.block_tables],
             slot_mappings=[s[:size] for s in self.slot_mappings],
             max_query_len=1, max_seq_len=max_seq_len,
-            query_lens_cpu=[1] * size, seq_lens_cpu=[max_seq_len] * size)
+            query_lens_cpu=[1] * size, seq_lens_cpu=[max_seq_len] * size,
+            cascade=self._cascade_plan(size))
+
+    def _cascade_plan(self, size: int):
+        if self.cascade is None:
+            return None
+        from kvserve.attention.kernels.cascade import graph_groups
+        return self.cascade.plan(size, graph_groups(size))
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
@@ -99,16 +112,25 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d, context buckets %s)",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.buckets)
 
+    def _write_cascade(self, cascade, n: int, size: int) -> None:
+        from kvserve.attention.kernels.cascade import graph_groups
+        groups, table = cascade if cascade is not None else ([], None)
+        self.cascade.write(groups, table, n, self.block_size, limit=graph_groups(size))
+
     def padded_size(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
     def run(self, device_tables: list[torch.Tensor], slots: list[torch.Tensor],
             input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-            max_seq_len: int) -> torch.Tensor:
-        """Replay for a decode batch; every static buffer row up to the padded size is rewritten."""
+            max_seq_len: int, cascade: tuple | None = None) -> torch.Tensor:
+        """Replay for a decode batch; every static buffer row up to the padded size is rewritten.
+        `cascade`: the step's shared-prefix groups and its host block table (graphs captured
+        with cascade only; none: every sequence ungrouped)."""
         n = input_ids.shape[0]  # decode: one token per sequence
         size = self.padded_size(n)
+        if self.cascade is not None:
+            self._write_cascade(cascade, n, size)
         bucket = self.buckets[bisect.bisect_left(self.buckets, max_seq_len)]
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()

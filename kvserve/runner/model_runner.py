@@ -94,6 +94,7 @@ class ModelRunner:
         # (`LLMEngine.step`). None: never (CPU: nothing is queued).
         self.drain_above_tokens: int | None = EAGER_DRAIN_TOKENS if device.type == "cuda" else None
         self.drain_after_layers = DRAIN_AFTER_LAYERS
+        self.cascade = _cascade_wanted(device, layout, step_channel)
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
@@ -128,7 +129,7 @@ class ModelRunner:
             self.mixed_graphs.capture(pool)
             self.drain_above_tokens = self.mixed_graphs.buckets[-1]
         self.graphs = DecodeGraphs(self.model, self.layout.num_groups, self.layout.block_size,
-                                   max_model_len, max_num_seqs, self.device)
+                                   max_model_len, max_num_seqs, self.device, cascade=self.cascade)
         self.graphs.capture(pool)
 
     def launch(self, out: SchedulerOutput, block_tables: list[torch.Tensor],
@@ -150,6 +151,8 @@ class ModelRunner:
             self.kv_transfer.wait_prefetched()  # the last step's load-ahead admissions run now
         self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
         inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device, out.decode)
+        if self.cascade and inputs.meta.is_decode_only:
+            self._plan_cascade(inputs)
         self._fill_pending(inputs, out, previous)
         if self.step_channel is not None:
             self.step_channel.publish(inputs)
@@ -178,6 +181,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, block_tables: list[torch.Tensor]) -> StepResult:
         """Launch and wait: one step, unpipelined."""
         return self.launch(out, block_tables).resolve()
+
+    def _plan_cascade(self, inputs: ModelInputs) -> None:
+        """The decode step's shared-prefix groups from its host block table; an eager step gets
+        its plan's tensors now, a graph rewrites its own buffers (`DecodeGraphs.run`)."""
+        from kvserve.attention.kernels import cascade
+        table, lens = inputs.host.block_tables[0].numpy(), inputs.host.seq_lens.numpy()
+        groups = cascade.plan_groups(table, lens, self.layout.block_size)
+        inputs.cascade = (groups, table)
+        if self.graphs is None or not self.graphs.padded_size(inputs.meta.num_seqs):
+            inputs.meta.cascade = cascade.build_plan(table, lens, self.layout.block_size, self.device, groups)
 
     def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
         if (out.decode is not None and out.decode.on_device and previous is not None
@@ -217,10 +230,18 @@ class ModelRunner:
         if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(meta.num_seqs):
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens,
-                                   meta.max_seq_len)
+                                   meta.max_seq_len, inputs.cascade)
         if self.mixed_graphs is not None and not meta.is_decode_only:
             return self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
         return None
+
+
+def _cascade_wanted(device: torch.device, layout: KVLayout, step_channel) -> bool:
+    """KVSERVE_CASCADE=1 on one GPU with one KV group (its block table is every layer's)."""
+    if device.type != "cuda" or layout.num_groups != 1 or step_channel is not None:
+        return False
+    from kvserve.attention.kernels.cascade import enabled_by_env
+    return enabled_by_env()
 
 
 def _same_requests(scheduled: list[ScheduledRequest], previous: list[ScheduledRequest]) -> bool:

@@ -17,11 +17,14 @@ sequence per program. Here a step's decode attention runs in three launches:
 blocks are the same block ids, at least two a group, at most MAX_MEMBERS (a larger set becomes
 several groups), the prefix cut to whole pages that end before each member's last key.
 
-Not yet wired into the attention backend: `benchmarks/cascade_decode_probe.py` times it against
-the decode kernel at served ide-completion shapes first. Full attention only (no sliding window).
+Off by default (`KVSERVE_CASCADE=1` turns it on for models with one full-attention KV group; the
+runner plans each decode step's groups, a decode graph rewrites `CascadeBuffers` before each
+replay) until `benchmarks/cascade_decode_probe.py` and a served A/B have timed it on a GPU.
+Full attention only (no sliding window, no sink keys).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +36,9 @@ from kvserve.attention.kernels.common import dot_precision, split_range, store_s
 from kvserve.attention.kernels.decode import (LOG2E, DecodeConfig, _attend_and_store_newest, _attend_cached,
                                               _decode_reduce_kernel, plan_splits, sm_count)
 
+ENV = "KVSERVE_CASCADE"
 MAX_MEMBERS = 16   # members a prefix program holds: 16 x a GQA group of 4 = 64 query rows
+MAX_GRAPH_GROUPS = 32   # a graph's prefix grid: idle groups' programs cost a launch slot each
 PREFIX_SPLITS = 4  # programs a group's prefix per KV head: ~176 keys each of a 704-token file
 
 
@@ -91,9 +96,21 @@ def plan_groups(rows, seq_lens, page: int) -> list[tuple[list[int], int]]:
     return groups
 
 
-def build_plan(rows, seq_lens, page: int, device) -> CascadePlan:
-    """`plan_groups` as the kernels' tensors (an eager step's; graphs use `CascadeBuffers`)."""
-    groups = plan_groups(rows, seq_lens, page)
+def enabled_by_env() -> bool:
+    """KVSERVE_CASCADE=1: decode steps of a model with one full-attention KV group read shared
+    prefixes once (off by default until its served A/B on a GPU)."""
+    return os.environ.get(ENV) == "1"
+
+
+def graph_groups(size: int) -> int:
+    """Groups a decode graph of `size` sequences plans for (a group has two members or more)."""
+    return min(MAX_GRAPH_GROUPS, max(1, size // 2))
+
+
+def build_plan(rows, seq_lens, page: int, device, groups: list[tuple[list[int], int]] | None = None) -> CascadePlan:
+    """`plan_groups` (or `groups` already formed) as the kernels' tensors, an eager step's
+    (graphs rewrite `CascadeBuffers`)."""
+    groups = plan_groups(rows, seq_lens, page) if groups is None else groups
     buffers = CascadeBuffers(len(seq_lens), max(len(groups), 1), max([n // page for _, n in groups], default=1),
                              "cpu")
     buffers.write(groups, as_table(rows), len(seq_lens), page)
@@ -116,11 +133,13 @@ class CascadeBuffers:
         return CascadePlan(self.tables[:num_groups], self.lens[:num_groups], self.members[:num_groups],
                            self.skip[:num_seqs])
 
-    def write(self, groups: list[tuple[list[int], int]], table: np.ndarray, num_seqs: int, page: int) -> int:
-        """Rewrite the buffers for a step's `groups` (the first max_groups, whose prefixes fit the
-        width; the others' sequences stay ungrouped) over `num_seqs` rows; returns the count kept."""
+    def write(self, groups: list[tuple[list[int], int]], table: np.ndarray, num_seqs: int, page: int,
+              limit: int | None = None) -> int:
+        """Rewrite the buffers for a step's `groups` over `num_seqs` rows: the first `limit` (the
+        graph's planned count; default all the buffers hold) whose prefixes fit the width, the
+        others' sequences ungrouped (skip 0: their suffix is all their keys); returns the count kept."""
         max_groups, width = self.tables.shape
-        kept = [(m, n) for m, n in groups if n // page <= width][:max_groups]
+        kept = [(m, n) for m, n in groups if n // page <= width][:min(limit or max_groups, max_groups)]
         tables = np.zeros((max_groups, width), dtype=np.int32)
         lens = np.zeros(max_groups, dtype=np.int32)
         members = np.full((max_groups, MAX_MEMBERS), -1, dtype=np.int32)
