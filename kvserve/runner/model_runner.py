@@ -69,6 +69,8 @@ class ModelRunner:
     # Tensor parallelism: sends each step's inputs to the other ranks
     # (kvserve/distributed/launcher.py); None on one GPU.
     step_channel = None
+    # Shared-prefix decode (KVSERVE_CASCADE=1, `_cascade_wanted`); runners of other models keep it off.
+    cascade = False
 
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int,
                  step_channel=None) -> None:
