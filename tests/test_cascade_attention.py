@@ -293,3 +293,34 @@ def test_engine_with_cascade_keeps_greedy_outputs_gpu(tmp_path, monkeypatch, eag
         assert graphs is None and max(calls) >= 1   # eager decode steps planned real groups
     else:   # the last replay's buffers hold the step's groups (capture alone calls the spy)
         assert sum(graphs.num_replays.values()) > 0 and (graphs.cascade.lens > 0).any()
+
+
+def test_a_decode_streak_keeps_its_groups(monkeypatch):
+    """The same requests in the same order as the planned step before: its groups, no new
+    grouping; other requests, or a step before that was not planned: grouped again."""
+    from types import SimpleNamespace
+
+    from kvserve.runner.model_runner import ModelRunner
+    runner = object.__new__(ModelRunner)
+    runner.layout, runner.graphs, runner.device = SimpleNamespace(block_size=16), None, torch.device("cpu")
+    counted = []
+    real = cascade.plan_groups
+    monkeypatch.setattr(cascade, "plan_groups", lambda *a: counted.append(1) or real(*a))
+    requests = [SimpleNamespace(request=object()) for _ in range(3)]
+    table = torch.tensor([[1, 2, 5], [1, 2, 6], [3, 4, 7]], dtype=torch.int32)
+
+    def step(scheduled, previous):
+        rows = list(scheduled)
+        inputs = SimpleNamespace(host=SimpleNamespace(block_tables=[table], seq_lens=torch.tensor([40, 40, 40])),
+                                 sampling_rows=rows, meta=SimpleNamespace(num_seqs=len(rows), cascade=None),
+                                 cascade=None)
+        runner._plan_cascade(inputs, SimpleNamespace(scheduled=scheduled), previous)
+        return inputs, SimpleNamespace(rows=rows)
+    first, previous = step(requests, None)
+    second, previous = step(requests, previous)
+    assert len(counted) == 1 and second.cascade[0] is first.cascade[0] == [([0, 1], 32)]
+    assert second.meta.cascade is not None   # no graph here: the eager plan's tensors
+    step(requests[:2] + [SimpleNamespace(request=object())], previous)   # another request joined
+    assert len(counted) == 2
+    step(requests, SimpleNamespace(rows=list(requests)))   # a step this runner did not plan
+    assert len(counted) == 3

@@ -71,6 +71,7 @@ class ModelRunner:
     step_channel = None
     # Shared-prefix decode (KVSERVE_CASCADE=1, `_cascade_wanted`); runners of other models keep it off.
     cascade = False
+    _cascade_last: tuple = (None, [])   # (the planned step's rows, its groups), reused by the next
 
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int,
                  step_channel=None) -> None:
@@ -154,7 +155,7 @@ class ModelRunner:
         self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
         inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device, out.decode)
         if self.cascade and inputs.meta.is_decode_only:
-            self._plan_cascade(inputs)
+            self._plan_cascade(inputs, out, previous)
         self._fill_pending(inputs, out, previous)
         if self.step_channel is not None:
             self.step_channel.publish(inputs)
@@ -184,12 +185,17 @@ class ModelRunner:
         """Launch and wait: one step, unpipelined."""
         return self.launch(out, block_tables).resolve()
 
-    def _plan_cascade(self, inputs: ModelInputs) -> None:
+    def _plan_cascade(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
         """The decode step's shared-prefix groups from its host block table; an eager step gets
-        its plan's tensors now, a graph rewrites its own buffers (`DecodeGraphs.run`)."""
+        its plan's tensors now, a graph rewrites its own buffers (`DecodeGraphs.run`). The same
+        requests in the same order as the planned step before keep its groups: their prefix
+        blocks are the same, and a prefix that ended before each member's last key still does."""
         from kvserve.attention.kernels import cascade
         table, lens = inputs.host.block_tables[0].numpy(), inputs.host.seq_lens.numpy()
-        groups = cascade.plan_groups(table, lens, self.layout.block_size)
+        planned, groups = self._cascade_last
+        if not (previous is not None and previous.rows is planned and _same_requests(out.scheduled, planned)):
+            groups = cascade.plan_groups(table, lens, self.layout.block_size)
+        self._cascade_last = (inputs.sampling_rows, groups)
         inputs.cascade = (groups, table)
         if self.graphs is None or not self.graphs.padded_size(inputs.meta.num_seqs):
             inputs.meta.cascade = cascade.build_plan(table, lens, self.layout.block_size, self.device, groups)
