@@ -127,7 +127,47 @@ def interpreter_checks() -> None:
     assert err < 1e-5, err
     fused_write_check(q, cache, table, rows, lens, plan, qsl, expected)
     backend_check(q, cache, table, rows, lens)
+    for heads, kv_heads, limit, padding in ((4, 2, 1, 3), (6, 2, 2, 2), (4, 4, 3, 1)):
+        graph_buffers_check(heads, kv_heads, limit, padding)
     print("ok", triton.__version__)
+
+
+def graph_buffers_check(heads: int, kv_heads: int, limit: int, padding: int) -> None:
+    """A decode graph's replay, simulated: static tables padded past the step's rows (padding rows
+    of one key, slot -1), plan buffers holding an earlier step's groups before `write` caps this
+    step's at `limit`, NaN-poisoned partials and newest slots, the fused write: every real row
+    matches float64, padding rows and every partial slot come out finite."""
+    page, dim = 4, 16
+    q, cache, table, rows, lens = make_case("cpu", torch.float32, heads=heads, kv_heads=kv_heads, dim=dim,
+                                            page=page, prefixes=[12, 8, 20], suffixes=[5, 1, 3, 9, 2, 13, 4, 6],
+                                            owners=[0, 0, 1, 1, 1, -1, 2, 2], seed=limit)
+    n, size, width = len(rows), len(rows) + padding, table.shape[1] + 2
+    expected = reference(q, cache, rows, lens, 0.25)
+    static_table = torch.zeros(size, width, dtype=torch.int32)
+    static_table[:n, :table.shape[1]] = table
+    seq_lens = torch.ones(size, dtype=torch.int32)
+    seq_lens[:n] = torch.tensor(lens)
+    qs = torch.zeros(size, heads, dim)
+    qs[:n] = q
+    slots = torch.full((size,), -1, dtype=torch.long)
+    slots[:n] = torch.tensor([row[(m - 1) // page] * page + (m - 1) % page for row, m in zip(rows, lens)])
+    k_new, v_new = torch.zeros(size, kv_heads, dim), torch.zeros(size, kv_heads, dim)
+    holed = cache.clone()
+    for i, s in enumerate(slots[:n].tolist()):
+        k_new[i], v_new[i] = cache[0, s // page, s % page], cache[1, s // page, s % page]
+        holed[:, s // page, s % page] = float("nan")
+    holed[:, 0] = 0.0   # the null block the padding rows' tables point at
+    buffers = cascade.CascadeBuffers(size, 4, width, "cpu")
+    buffers.write([(list(range(size)), page)], np.ones((size, width), np.int32), size, page)   # an earlier step
+    buffers.write(cascade.plan_groups(cascade.as_table(rows), np.array(lens), page), cascade.as_table(rows), n,
+                  page, limit=limit)
+    out = torch.full_like(qs, float("nan"))
+    parts = (torch.full((size, heads, 6, dim), float("nan")), torch.full((size, heads, 6), float("nan")))
+    cascade.cascade_decode_attention(qs, holed, out, static_table, torch.arange(size + 1, dtype=torch.int32),
+                                     seq_lens, max(lens), 0.25, buffers.plan(size, limit),
+                                     new_kv=(k_new, v_new, slots), parts=parts, suffix_splits=2, config=TILES16)
+    assert (out[:n].double() - expected).abs().max().item() < 1e-5, ("graph replay", heads, kv_heads, limit)
+    assert torch.isfinite(out[n:]).all() and torch.isfinite(parts[0]).all()
 
 
 def backend_check(q, cache, table, rows, lens) -> None:
@@ -221,7 +261,7 @@ def test_cascade_kernels_compile_for_sm90():
                   PREFIX_SPLITS=4, DOT_PRECISION="tf32")
     floats = frozenset({"qk_scale"})
     prefix = compile_for_sm90(cascade._prefix_kernel, ptrs, common | dict(MEMBERS=cascade.MAX_MEMBERS, BLOCK_R=64),
-                              num_warps=4, num_stages=2, floats=floats, unaligned=frozenset({"num_parts"}))
+                              num_warps=4, num_stages=2, floats=floats, unaligned=frozenset({"num_parts", "stride_gt"}))
     suffix = compile_for_sm90(cascade._suffix_kernel, ptrs, common | dict(BLOCK_G=16, WRITE_NEW=True), num_warps=4,
                               num_stages=2,
                               floats=floats, unaligned=frozenset({"num_parts", "stride_table"}))
@@ -260,9 +300,9 @@ def test_graph_buffers_rewrite_every_slot_and_cap_the_groups():
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False])
 def test_engine_with_cascade_keeps_greedy_outputs_gpu(tmp_path, monkeypatch, eager):
-    """Prompts sharing file prefixes (three and seven a file, and alone), float32: the same tokens
-    with KVSERVE_CASCADE=1 as without, the cascade kernels run in every decode step, in graphs
-    and eagerly."""
+    """Prompts sharing file prefixes (file 0, cached by a first request, shared by four; file 1
+    by seven admitted together; file 2 and two prompts alone), float32: the same tokens with
+    KVSERVE_CASCADE=1 as without, with groups formed, in graphs and eagerly."""
     from kvserve import LLM, SamplingParams
     from kvserve.attention import triton_backend
     from tests.tiny_models import random_prompts, save_tiny_checkpoint
@@ -309,12 +349,13 @@ def test_a_decode_streak_keeps_its_groups(monkeypatch):
     requests = [SimpleNamespace(request=object()) for _ in range(3)]
     table = torch.tensor([[1, 2, 5], [1, 2, 6], [3, 4, 7]], dtype=torch.int32)
 
-    def step(scheduled, previous):
-        rows = list(scheduled)
-        inputs = SimpleNamespace(host=SimpleNamespace(block_tables=[table], seq_lens=torch.tensor([40, 40, 40])),
-                                 sampling_rows=rows, meta=SimpleNamespace(num_seqs=len(rows), cascade=None),
-                                 cascade=None)
-        runner._plan_cascade(inputs, SimpleNamespace(scheduled=scheduled), previous)
+    def step(scheduled, previous, sampled=None):
+        rows = list(scheduled) if sampled is None else sampled
+        n = len(scheduled)
+        inputs = SimpleNamespace(host=SimpleNamespace(block_tables=[table[:n]], seq_lens=torch.tensor([40] * n)),
+                                 sampling_rows=rows, meta=SimpleNamespace(num_seqs=n, cascade=None), cascade=None)
+        decode = object() if sampled is None else None   # every row samples: the decode arrays
+        runner._plan_cascade(inputs, SimpleNamespace(scheduled=scheduled, decode=decode), previous)
         return inputs, SimpleNamespace(rows=rows)
     first, previous = step(requests, None)
     second, previous = step(requests, previous)
@@ -324,3 +365,27 @@ def test_a_decode_streak_keeps_its_groups(monkeypatch):
     assert len(counted) == 2
     step(requests, SimpleNamespace(rows=list(requests)))   # a step this runner did not plan
     assert len(counted) == 3
+
+
+def test_a_step_whose_rows_did_not_all_sample_is_grouped_again(monkeypatch):
+    """A decode-only step where one row (a one-token prompt chunk short of its prompt's end) does
+    not sample: the next step's rows may equal its sampled rows while every row after the chunk
+    has moved up one place, so its groups (row indices) must not be reused."""
+    from types import SimpleNamespace
+
+    from kvserve.runner.model_runner import ModelRunner
+    runner = object.__new__(ModelRunner)
+    runner.layout, runner.graphs, runner.device = SimpleNamespace(block_size=16), None, torch.device("cpu")
+    a, b, c, d = (SimpleNamespace(request=object()) for _ in range(4))
+    full = torch.tensor([[1, 2, 5], [3, 4, 6], [1, 2, 7], [3, 4, 8]], dtype=torch.int32)   # A, C file 1; B, D file 3
+
+    def step(scheduled, table, sampled, decode, previous):
+        inputs = SimpleNamespace(host=SimpleNamespace(block_tables=[table], seq_lens=torch.tensor([40] * len(table))),
+                                 sampling_rows=sampled, meta=SimpleNamespace(num_seqs=len(table), cascade=None),
+                                 cascade=None)
+        runner._plan_cascade(inputs, SimpleNamespace(scheduled=scheduled, decode=decode), previous)
+        return inputs.cascade[0], SimpleNamespace(rows=sampled)
+    first, previous = step([a, b, c, d], full, [a, b, d], None, None)   # C's chunk samples nothing
+    assert first == [([0, 2], 32), ([1, 3], 32)]
+    second, _ = step([a, b, d], full[[0, 1, 3]], [a, b, d], object(), previous)   # C preempted
+    assert second == [([1, 2], 32)]

@@ -71,7 +71,7 @@ class ModelRunner:
     step_channel = None
     # Shared-prefix decode (KVSERVE_CASCADE=1, `_cascade_wanted`); runners of other models keep it off.
     cascade = False
-    _cascade_last: tuple = (None, [])   # (the planned step's rows, its groups), reused by the next
+    _cascade_last: tuple = (None, [], [])   # the planned step's sampled and scheduled rows, its groups
 
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int,
                  step_channel=None) -> None:
@@ -192,10 +192,13 @@ class ModelRunner:
         blocks are the same, and a prefix that ended before each member's last key still does."""
         from kvserve.attention.kernels import cascade
         table, lens = inputs.host.block_tables[0].numpy(), inputs.host.seq_lens.numpy()
-        planned, groups = self._cascade_last
-        if not (previous is not None and previous.rows is planned and _same_requests(out.scheduled, planned)):
+        sampled, scheduled, groups = self._cascade_last
+        # Members are row indices of the scheduled list: reuse needs the same list, every row a
+        # decode (`out.decode`), and the step before being the planned one.
+        if not (out.decode is not None and previous is not None and previous.rows is sampled
+                and _same_requests(out.scheduled, scheduled)):
             groups = cascade.plan_groups(table, lens, self.layout.block_size)
-        self._cascade_last = (inputs.sampling_rows, groups)
+        self._cascade_last = (inputs.sampling_rows, list(out.scheduled), groups)
         inputs.cascade = (groups, table)
         if self.graphs is None or not self.graphs.padded_size(inputs.meta.num_seqs):
             inputs.meta.cascade = cascade.build_plan(table, lens, self.layout.block_size, self.device, groups)

@@ -115,7 +115,13 @@ def build_plan(rows, seq_lens, page: int, device, groups: list[tuple[list[int], 
                              "cpu")
     buffers.write(groups, as_table(rows), len(seq_lens), page)
     plan = buffers.plan(len(seq_lens), len(groups))
-    return CascadePlan(*(t.to(device) for t in (plan.tables, plan.lens, plan.members, plan.skip)))
+    return CascadePlan(*(_upload(t, torch.device(device)) for t in (plan.tables, plan.lens, plan.members, plan.skip)))
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """On CUDA through pinned memory, non-blocking: a plain `.to` from pageable memory may make the
+    host wait for the step in flight (as `runner.batch.upload`)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 class CascadeBuffers:
@@ -150,13 +156,17 @@ class CascadeBuffers:
             lens[g] = prefix
             skip[chunk] = prefix
         for dst, src in ((self.tables, tables), (self.lens, lens), (self.members, members), (self.skip, skip)):
-            dst.copy_(torch.from_numpy(src), non_blocking=dst.is_cuda)
+            # pinned: a pageable source may make the host wait for the step in flight
+            dst.copy_(torch.from_numpy(src).pin_memory() if dst.is_cuda else torch.from_numpy(src),
+                      non_blocking=dst.is_cuda)
         return len(kept)
 
 
-@triton.jit(do_not_specialize=["num_parts"])
+# An eager plan's table width changes from step to step: left to specialise, each new
+# divisibility class of `stride_gt` would compile the kernel anew while a server waits.
+@triton.jit(do_not_specialize=["num_parts", "stride_gt"])
 def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
-                   tables_ptr, lens_ptr, members_ptr, stride_qt, stride_qh, stride_gt,
+                   tables_ptr, lens_ptr, members_ptr, stride_qt, stride_qh, stride_gt, stride_gm,
                    stride_cache_block, stride_cache_offset, stride_cache_head, num_parts, qk_scale,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_R: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -168,7 +178,7 @@ def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, 
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_R)
     slot = rows // GROUP
-    seq = tl.load(members_ptr + g * MEMBERS + slot, mask=slot < MEMBERS, other=-1)
+    seq = tl.load(members_ptr + g * stride_gm + slot, mask=slot < MEMBERS, other=-1)
     row_valid = seq >= 0
     seq = tl.maximum(seq, 0)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -264,8 +274,8 @@ def cascade_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch
     if plan.num_groups:   # the decode kernel's unsplit tiles: a prefix split is a few hundred keys
         _prefix_kernel[(plan.num_groups, num_kv_heads, prefix_splits)](
             q, k_cache, v_cache, part_out, part_lse, query_start_loc, plan.tables, plan.lens, plan.members,
-            q.stride(0), q.stride(1), plan.tables.stride(0), *cache_strides, num_parts, scale * LOG2E,
-            MEMBERS=MAX_MEMBERS, BLOCK_R=max(16, triton.next_power_of_2(MAX_MEMBERS * group)),
+            q.stride(0), q.stride(1), plan.tables.stride(0), plan.members.stride(0), *cache_strides, num_parts,
+            scale * LOG2E, MEMBERS=MAX_MEMBERS, BLOCK_R=max(16, triton.next_power_of_2(MAX_MEMBERS * group)),
             BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages, **common)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)   # never read without new_kv
     block_n, num_warps, num_stages = config.tile(suffix_splits)
