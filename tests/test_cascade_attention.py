@@ -21,30 +21,45 @@ def test_groups_need_two_members_sharing_leading_blocks():
     assert groups == [([0, 1, 3], 32)]
 
 
-def test_shared_blocks_is_the_common_leading_run_of_every_row():
-    """Against a position-by-position walk over all rows: random rows over 4 block ids, sharing
-    random leading runs, some rows prefixes of others."""
+def test_random_groups_keep_every_rule():
+    """Random tables (files sharing a header page or not, prompts of every length): members are
+    disjoint, 2 to MAX_MEMBERS a group, all hold the group's prefix blocks, the prefix is at least
+    MIN_SHARED_PAGES and ends a page before each member's last key; rows of one file with the same
+    context group together once the group's whole file prefix fits them."""
     import random
-    rng = random.Random(1)
-
-    def walk(rows):
-        n = min(len(r) for r in rows)
-        return next((i for i in range(n) if any(r[i] != rows[0][i] for r in rows)), n)
-    for _ in range(3000):
-        base = [rng.randrange(4) for _ in range(rng.randint(0, 6))]
-        rows = [base[:rng.randint(0, len(base))] + [rng.randrange(4) for _ in range(rng.randint(0, 4))]
-                for _ in range(rng.randint(1, 6))]
-        table, chunk = cascade.as_table(rows), np.arange(len(rows))
-        assert cascade._shared_blocks(table, chunk, min(len(r) for r in rows)) == walk(rows), rows
+    rng = random.Random(3)
+    for _ in range(300):
+        files = [[rng.choice([1, 100 + f])] + [1000 * f + k for k in range(1, rng.randint(1, 6))]
+                 for f in range(rng.randint(1, 4))]
+        rows, lens = [], []
+        for i in range(rng.randint(1, 40)):
+            f = files[rng.randrange(len(files))]
+            rows.append(f + [10 ** 6 + 10 * i + k for k in range(rng.randint(0, 3))])
+            lens.append(rng.randint(1, 16 * len(rows[-1])))
+        seen = set()
+        for members, prefix in cascade.plan_groups(rows, lens, 16):
+            pages = prefix // 16
+            assert 2 <= len(members) <= cascade.MAX_MEMBERS and not seen & set(members)
+            seen |= set(members)
+            assert pages >= cascade.MIN_SHARED_PAGES
+            assert all(rows[m][:pages] == rows[members[0]][:pages] and prefix <= lens[m] - 1 for m in members)
 
 
 def test_a_prefix_stops_a_page_before_each_members_last_key():
-    """Sequence 1's 33 keys end in block 3's first slot: the prefix may take 2 pages; with 32 keys
-    its last key sits in the second page, so only one page is shared."""
-    rows = [[1, 2, 3], [1, 2, 3]]
-    assert cascade.plan_groups(rows, [48, 33], page=16) == [([0, 1], 32)]
-    assert cascade.plan_groups(rows, [48, 32], page=16) == [([0, 1], 16)]
-    assert cascade.plan_groups(rows, [16, 16], page=16) == []   # no whole page before the last key
+    """Sequence 1's 49 keys end in block 4's first slot: the prefix may take 3 pages; with 48 its
+    last key sits in the third page, so two are shared; with 32 only one would be, under
+    MIN_SHARED_PAGES: no group."""
+    rows = [[1, 2, 3, 4], [1, 2, 3, 4]]
+    assert cascade.plan_groups(rows, [64, 49], page=16) == [([0, 1], 48)]
+    assert cascade.plan_groups(rows, [64, 48], page=16) == [([0, 1], 32)]
+    assert cascade.plan_groups(rows, [64, 32], page=16) == []
+
+
+def test_files_sharing_only_a_header_block_form_groups_of_their_own():
+    """Two files whose first block (a common header) is the same block: one group each with its
+    whole 3-page prefix, not one group of all four cut to the header."""
+    rows = [[1, 2, 3, 4, 9], [1, 5, 6, 7, 10], [1, 2, 3, 4, 11], [1, 5, 6, 7, 12]]
+    assert cascade.plan_groups(rows, [70] * 4, page=16) == [([0, 2], 64), ([1, 3], 64)]
 
 
 def test_large_sets_split_into_groups_of_at_most_max_members():

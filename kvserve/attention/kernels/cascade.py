@@ -39,6 +39,7 @@ from kvserve.attention.kernels.decode import (LOG2E, DecodeConfig, _attend_and_s
 ENV = "KVSERVE_CASCADE"
 MAX_MEMBERS = 16   # members a prefix program holds: 16 x a GQA group of 4 = 64 query rows
 MAX_GRAPH_GROUPS = 32   # a graph's prefix grid: idle groups' programs cost a launch slot each
+MIN_SHARED_PAGES = 2    # a group's least prefix: files that share only a header page are not one group
 PREFIX_SPLITS = 4  # programs a group's prefix per KV head: ~176 keys each of a 704-token file
 
 
@@ -66,33 +67,41 @@ def as_table(rows) -> np.ndarray:
     return np.array([list(r) + [-1] * (width - len(r)) for r in rows], dtype=np.int32).reshape(len(rows), width)
 
 
-def _shared_blocks(table: np.ndarray, chunk: np.ndarray, limit: int) -> int:
-    """Leading block ids, up to `limit`, that every row of `chunk` has in common."""
-    same = (table[chunk, :limit] == table[chunk[0], :limit]).all(axis=0)
-    return limit if same.all() else int(same.argmin())
-
-
 def plan_groups(rows, seq_lens, page: int) -> list[tuple[list[int], int]]:
     """Groups of sequences sharing leading blocks: (member indices, prefix tokens) with at least
-    two members, at most MAX_MEMBERS, and a prefix of whole pages that ends before each
-    member's last key (so every member keeps a suffix). `rows`: a block table ([B, W], the
-    host batch's) or ragged lists of block ids."""
+    two members, at most MAX_MEMBERS, a prefix of MIN_SHARED_PAGES or more whole pages that ends
+    before each member's last key (so every member keeps a suffix). `rows`: a block table
+    ([B, W], the host batch's) or ragged lists of block ids. The rows are sorted by their blocks
+    and a group is a run of them sharing what its first two share (`_runs`): files that share
+    only a header page form groups of their own, each with its whole prefix."""
     table, lens = as_table(rows), np.asarray(seq_lens)
-    eligible = np.flatnonzero(lens > page)
+    eligible = np.flatnonzero(lens > page * MIN_SHARED_PAGES)
     if len(eligible) < 2:
         return []
-    firsts, inverse = np.unique(table[eligible, 0], return_inverse=True)
-    groups = []
-    for f in range(len(firsts)):
-        members = eligible[inverse == f]
-        for k in range(0, len(members) - 1, MAX_MEMBERS):
-            chunk = members[k:k + MAX_MEMBERS]
-            if len(chunk) < 2:
-                continue
-            limit = int(((lens[chunk] - 1) // page).min())   # whole pages before the last key
-            blocks = _shared_blocks(table, chunk, limit)
-            if blocks:
-                groups.append((chunk.tolist(), blocks * page))
+    return _runs(table, lens, eligible[np.lexsort(table[eligible].T[::-1])], page)
+
+
+def _runs(table: np.ndarray, lens: np.ndarray, order: np.ndarray, page: int) -> list[tuple[list[int], int]]:
+    """Groups over lexicographically sorted rows, from the pages each row shares with the next
+    (`adjacent`, cut to both rows' whole pages before their last key): a group starts at a row
+    that shares MIN_SHARED_PAGES or more with the next and no fewer than the next shares onwards
+    (else the row belongs to no deeper run), and takes the rows sharing at least that much, up to
+    MAX_MEMBERS; a run's rows share the least of its adjacent counts, as sorted rows do."""
+    limits = (lens[order] - 1) // page
+    width = int(limits.max())
+    same = table[order[1:], :width] == table[order[:-1], :width]
+    adjacent = np.minimum(np.cumprod(same, axis=1).sum(axis=1), np.minimum(limits[1:], limits[:-1])).tolist()
+    groups, i, n = [], 0, len(order)
+    while i < n - 1:
+        depth = adjacent[i]
+        if depth < MIN_SHARED_PAGES or (i + 1 < n - 1 and adjacent[i + 1] > depth):
+            i += 1
+            continue
+        j = i + 1
+        while j < n - 1 and j + 1 - i < MAX_MEMBERS and adjacent[j] >= depth:
+            j += 1
+        groups.append((sorted(order[i:j + 1].tolist()), depth * page))
+        i = j + 1
     return groups
 
 
