@@ -430,9 +430,11 @@ def test_the_step_trace_gives_each_step_the_device_time_the_next_line_waited_for
 
 
 def test_the_step_trace_fits_a_decode_steps_cost_per_running_row(tmp_path):
-    """Graph decode steps timed 5 ms + 50 us a row (4 to 40 rows): the summary's by-rows line
-    bins them by 8 rows and recovers the intercept and slope; the reader takes a gzipped trace
-    as stage 4 of the comparison script leaves it."""
+    """Graph decode steps timed 5 ms + 50 us a row (4 to 40 rows), their device spans 4 ms + 40 us
+    a row: the summary's by-rows line bins the periods by 8 rows and recovers intercept and slope,
+    the span's fit line recovers its own (each step's span is in the line after it, which
+    resolves it); the reader takes a gzipped trace as stage 4 of the comparison script leaves it,
+    and one written before the span column."""
     import gzip
 
     from kvserve.engine import step_trace
@@ -440,16 +442,28 @@ def test_the_step_trace_fits_a_decode_steps_cost_per_running_row(tmp_path):
     starts = [0.0, 5.0]
     for r in rows[:-2]:   # line i's step is what the line after i + 1 waited for: its period
         starts.append(starts[-1] + 5.0 + 0.05 * r)
-    body = "".join(f"{t / 1e3}\t1.0\t0.5\t0.1\t{r}\t0\t0\t0.0\t0.0\t0\t0\n" for t, r in zip(starts, rows))
+    spans = ["nan"] + [f"{4.0 + 0.04 * r:.3f}" for r in rows[:-1]]   # line i resolves step i - 1
+    body = "".join(f"{t / 1e3}\t1.0\t0.5\t0.1\t{r}\t0\t0\t0.0\t0.0\t0\t0\t{g}\n"
+                   for t, r, g in zip(starts, rows, spans))
     path = tmp_path / "steps.tsv.gz"
     with gzip.open(path, "wt") as f:
         f.write(step_trace.HEADER + body)
     steps = step_trace.read(str(path))
-    line = step_trace.decode_by_rows(step_trace.with_periods(steps))[0]
-    assert "fit 5.00 ms + 50.0 us a row" in line
+    line, gpu = step_trace.decode_by_rows(step_trace.with_periods(steps))
+    assert "fit 5.00 ms + 50.0 us a row" in line and "gpu span: fit 4.00 ms + 40.0 us a row" in gpu
     assert "0-7: " in line and "40-47: " in line
-    assert line in step_trace.summary(steps)
+    assert line in step_trace.summary(steps) and gpu in step_trace.summary(steps)
     assert step_trace.decode_by_rows([]) == []
+    old = tmp_path / "old.tsv"   # before the span column: no span line
+    old.write_text(step_trace.GPU_HEADER + "".join(b.rsplit("\t", 1)[0] + "\n" for b in body.splitlines()))
+    assert len(step_trace.decode_by_rows(step_trace.with_periods(step_trace.read(str(old))))) == 1
+
+
+def test_an_untimed_step_has_no_device_span():
+    import math
+
+    from kvserve.runner.model_runner import InFlightStep
+    assert math.isnan(InFlightStep([], None).gpu_ms())
 
 
 def test_the_step_trace_reader_names_a_bad_file_and_line(tmp_path, capsys):
@@ -459,9 +473,9 @@ def test_the_step_trace_reader_names_a_bad_file_and_line(tmp_path, capsys):
     assert step_trace.main([str(other)]) == 1
     assert "is not a step trace" in capsys.readouterr().out
     cut = tmp_path / "cut.tsv"
-    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t0.0\t0.0\t0\t0\n2.0\t5.0\n")
+    cut.write_text(step_trace.HEADER + "1.0\t5.0\t4.0\t0.1\t8\t0\t0\t0.0\t0.0\t0\t0\tnan\n2.0\t5.0\n")
     assert step_trace.main([str(cut)]) == 1
-    assert "line 3: 2 fields, expected 11" in capsys.readouterr().out
+    assert "line 3: 2 fields, expected 12" in capsys.readouterr().out
 
 
 def test_the_step_trace_times_garbage_collection_and_names_the_longest_host_steps(tmp_path):

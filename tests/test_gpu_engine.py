@@ -169,3 +169,27 @@ def test_decode_steps_never_synchronise_the_host(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_timed_steps_carry_their_device_span(tmp_path):
+    """With `time_steps` (the step trace turns it on), every resolved step reports its device span:
+    positive, and no longer than the wall time the host saw the whole generation take."""
+    import math
+    import time
+    path = save_tiny_checkpoint("qwen3", tmp_path / "q")
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=256, kv_cache_memory_gb=1)
+    llm.engine.runner.time_steps = True
+    spans = []
+    real = llm.engine._finish_in_flight
+
+    def finish(launched):
+        touched = real(launched)
+        spans.append(llm.engine.last_gpu_ms)
+        return touched
+    llm.engine._finish_in_flight = finish
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in random_prompts([40, 7, 90], seed=1)],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    timed = [s for s in spans if not math.isnan(s)]
+    assert timed and all(0 < s < wall_ms for s in timed)

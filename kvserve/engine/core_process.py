@@ -84,6 +84,8 @@ class EngineCore:
         self._idle_reported = False
         self._grammar_tokenizer = None   # xgrammar.TokenizerInfo, built at the first grammar
         self._trace = StepTrace.from_env()
+        if self._trace is not None:   # the trace's device span column (CUDA events around each step)
+            self.engine.runner.time_steps = getattr(engine.runner, "device", torch.device("cpu")).type == "cuda"
         self._profile = StepProfile.from_env()
         directory = profiler_dir()
         self._device_profiler = CoreProfiler(directory) if directory else None

@@ -50,6 +50,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._num_failed_steps = 0
         self.last_wait_s = 0.0   # the last step's wait for its predecessor's ids (engine/step_trace.py)
+        self.last_gpu_ms = float("nan")   # the device span of the step the last `step` resolved (timed runs)
         self.recorder = RequestRecorder(self.kv_cache.block_size)  # reuse + timelines for diagnose
 
     # -- intake --------------------------------------------------------------
@@ -205,6 +206,7 @@ class LLMEngine:
         except Exception as e:  # its sampled tokens are lost: its rows cannot go on
             return self._on_step_error(e, [s.request for s in previous.rows])
         self.last_wait_s += time.perf_counter() - start   # a step may drain first (`step`): both waits count
+        self.last_gpu_ms = previous.gpu_ms()
         return self._process(result)
 
     # -- fault isolation -----------------------------------------------------------

@@ -65,8 +65,9 @@ FLUSH_EVERY = 256
 PROFILE_EVERY = 2000
 SLOW_JIT_MS = 50.0
 HEADER = ("start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\tgc_ms\tjit_ms"
-          "\tdev_allocs\talloc_syncs\n")
-ALLOC_HEADER = HEADER.replace("\tdev_allocs\talloc_syncs", "")   # traces written before the allocator's columns
+          "\tdev_allocs\talloc_syncs\tprev_gpu_ms\n")
+GPU_HEADER = HEADER.replace("\tprev_gpu_ms", "")                # traces written before the device span
+ALLOC_HEADER = GPU_HEADER.replace("\tdev_allocs\talloc_syncs", "")   # ... and before the allocator's columns
 OLD_HEADER = ALLOC_HEADER.replace("\tgc_ms\tjit_ms", "")        # ... and before gc and jit
 
 
@@ -188,7 +189,7 @@ class StepTrace:
         allocs, syncs = self._alloc.take()
         self._lines.append(f"{start:.6f}\t{step_s * 1e3:.3f}\t{wait_s * 1e3:.3f}\t{out_s * 1e3:.3f}\t{rows}\t"
                            f"{prompt}\t{eager}\t{self._gc.take_ms():.3f}\t{self._jit.take_ms():.3f}\t"
-                           f"{allocs:.0f}\t{syncs:.0f}\n")
+                           f"{allocs:.0f}\t{syncs:.0f}\t{engine.last_gpu_ms:.3f}\n")
         if len(self._lines) >= FLUSH_EVERY:
             self.flush()
 
@@ -257,9 +258,9 @@ def read(path: str) -> list[dict[str, float]]:
     """The trace's lines; a file that is not one is a ValueError naming it."""
     with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:   # stage 4 gzips its trace
         names = f.readline().split()
-        if names not in (HEADER.split(), ALLOC_HEADER.split(), OLD_HEADER.split()):
+        if names not in (HEADER.split(), GPU_HEADER.split(), ALLOC_HEADER.split(), OLD_HEADER.split()):
             raise ValueError(f"{path} is not a step trace: its header is {names}, expected {HEADER.split()}")
-        missing = dict.fromkeys(("gc_ms", "jit_ms", "dev_allocs", "alloc_syncs"), math.nan)
+        missing = dict.fromkeys(("gc_ms", "jit_ms", "dev_allocs", "alloc_syncs", "prev_gpu_ms"), math.nan)
         return [{**missing, **_parse(path, number, names, line)}
                 for number, line in enumerate(f, 2) if line.strip()]
 
@@ -280,7 +281,10 @@ def with_periods(steps: list[dict[str, float]], max_idle_ms: float = 500.0) -> l
       (and to finish the one before);
     - `rest_ms`: to the next line's start, less step and output (input polling);
     - `device_ms`: the next line's period. The next line waits for this step,
-      so when the device sets the pace its period is this step's device time.
+      so when the device sets the pace its period is this step's device time;
+    - `gpu_ms`: the step's device span, first kernel to last (timed runs: the
+      next line, which resolves it, records it; NaN in traces without it), and
+      `gap_ms` = device_ms - gpu_ms, the device's idle time around the step.
     A line without two successors, or followed by an idle core (no work for
     `max_idle_ms`), has none."""
     out = []
@@ -289,7 +293,8 @@ def with_periods(steps: list[dict[str, float]], max_idle_ms: float = 500.0) -> l
         rest = period - a["step_ms"] - a["out_ms"]
         device = (c["start_s"] - b["start_s"]) * 1e3
         if rest <= max_idle_ms and device - b["step_ms"] - b["out_ms"] <= max_idle_ms:
-            out.append({**a, "host_ms": a["step_ms"] - a["wait_ms"], "rest_ms": rest, "device_ms": device})
+            out.append({**a, "host_ms": a["step_ms"] - a["wait_ms"], "rest_ms": rest, "device_ms": device,
+                        "gpu_ms": b.get("prev_gpu_ms", math.nan), "gap_ms": device - b.get("prev_gpu_ms", math.nan)})
     return out
 
 
@@ -308,7 +313,7 @@ def summary(steps: list[dict[str, float]]) -> str:
     for s in with_periods(steps):
         groups[kind(s)].append(s)
         groups["all"].append(s)
-    cols = ("device_ms", "host_ms", "wait_ms", "out_ms", "rest_ms")
+    cols = ("device_ms", "gpu_ms", "gap_ms", "host_ms", "wait_ms", "out_ms", "rest_ms")
     lines = [f"{'kind':<14}{'steps':>7}{'rows p50':>9}{'prompt p50':>11}"
              + "".join(f"{c[:-3] + ' p50/p90':>18}" for c in cols)]
     for name, group in sorted(groups.items()):
@@ -319,8 +324,9 @@ def summary(steps: list[dict[str, float]]) -> str:
         lines.append(head + cells)
     host_bound = sum(s["wait_ms"] < 0.1 for s in groups["all"]) / max(len(groups["all"]), 1)
     lines.append(f"ms per kind of launched step. device: the pipeline's time on the step (the next line's "
-                 f"period); host: launching it; wait: for the step before it (< 0.1 ms: the host set the "
-                 f"pace, {host_bound:.0%} of steps)")
+                 f"period); gpu: the device's span on it, first kernel to last (nan: not timed); gap: device "
+                 f"- gpu, the device idle around it; host: launching it; wait: for the step before it "
+                 f"(< 0.1 ms: the host set the pace, {host_bound:.0%} of steps)")
     return "\n".join(lines + decode_by_rows(groups["decode/graph"]) + longest_host(groups["all"]))
 
 
@@ -334,9 +340,15 @@ def decode_by_rows(steps: list[dict[str, float]], width: int = 8) -> list[str]:
     cells = [f"{lo}-{lo + width - 1}: {statistics.median(v):.2f} ({len(v)})" for lo, v in sorted(bins.items())]
     if len({s["rows"] for s in steps}) < 2:
         return [f"decode/graph device ms p50 by rows: {', '.join(cells)}"] if cells else []
-    fit = statistics.linear_regression([s["rows"] for s in steps], [s["device_ms"] for s in steps])
-    return [f"decode/graph device ms p50 by rows (steps): {', '.join(cells)}; "
-            f"fit {fit.intercept:.2f} ms + {fit.slope * 1e3:.1f} us a row"]
+    lines = [f"decode/graph device ms p50 by rows (steps): {', '.join(cells)}; {_fit(steps, 'device_ms')}"]
+    if not any(math.isnan(s["gpu_ms"]) for s in steps):
+        lines.append(f"decode/graph gpu span: {_fit(steps, 'gpu_ms')}")
+    return lines
+
+
+def _fit(steps: list[dict[str, float]], column: str) -> str:
+    fit = statistics.linear_regression([s["rows"] for s in steps], [s[column] for s in steps])
+    return f"fit {fit.intercept:.2f} ms + {fit.slope * 1e3:.1f} us a row"
 
 
 def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:

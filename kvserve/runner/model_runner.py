@@ -69,6 +69,9 @@ class ModelRunner:
     # Tensor parallelism: sends each step's inputs to the other ranks
     # (kvserve/distributed/launcher.py); None on one GPU.
     step_channel = None
+    # CUDA events around each step's device work, read when the step resolves (`InFlightStep.gpu_ms`):
+    # the step trace turns it on (engine/step_trace.py).
+    time_steps = False
     # Shared-prefix decode (KVSERVE_CASCADE=1, `_cascade_wanted`); runners of other models keep it off.
     cascade = False
     _cascade_last: tuple = (None, [], [])   # the planned step's sampled and scheduled rows, its groups
@@ -171,15 +174,17 @@ class ModelRunner:
         `drain_after_layers` layers of an eager forward are queued, so the device goes
         on into them while the host reads and hands over the step before; a replayed
         graph runs it after its launch."""
+        span = _StepSpan() if self.time_steps else None
         hidden = self._forward(inputs, drain)
         prompt = prompt_logprobs.launch(self.model, hidden, out.scheduled, inputs.host.query_start_loc) \
             if prompt_logprobs else None
         if not inputs.sampling_rows:
-            return InFlightStep([], None, prompt)
+            return InFlightStep([], None, prompt, span and span.end())
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = list(map(_sampling_params, inputs.sampling_rows))
         ids = list(map(row_request_id, inputs.sampling_rows))
-        return InFlightStep(inputs.sampling_rows, self.sampler.sample(logits, params, ids), prompt)
+        sample = self.sampler.sample(logits, params, ids)
+        return InFlightStep(inputs.sampling_rows, sample, prompt, span and span.end())
 
     def execute(self, out: SchedulerOutput, block_tables: list[torch.Tensor]) -> StepResult:
         """Launch and wait: one step, unpipelined."""
@@ -265,16 +270,40 @@ _request = attrgetter("request")
 _sampling_params = attrgetter("request.sampling_params")
 
 
+class _StepSpan:
+    """Two CUDA events around a step's device work: recorded when its launch starts and ends, so
+    their elapsed time is the device's time on the step from its first kernel to its last (idle
+    before it, waiting for the step before, is not in it)."""
+
+    def __init__(self) -> None:
+        self.start, self.stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.start.record()
+
+    def end(self) -> "_StepSpan":
+        self.stop.record()
+        return self
+
+    def ms(self) -> float:
+        self.stop.synchronize()   # recorded after the step's output copy began: done, or nearly
+        return self.start.elapsed_time(self.stop)
+
+
 class InFlightStep:
-    """A launched step: which requests sample, their pending sample, and
-    the pending prompt logprobs (None unless a request asked)."""
+    """A launched step: which requests sample, their pending sample, the
+    pending prompt logprobs (None unless a request asked) and, when the runner
+    times steps, its device span."""
 
     def __init__(self, rows: list[ScheduledRequest], sample: PendingSample | None,
-                 prompt: PendingPromptLogprobs | None = None) -> None:
+                 prompt: PendingPromptLogprobs | None = None, span: _StepSpan | None = None) -> None:
         self.rows = rows
         self.sample = sample
         self.prompt = prompt
+        self.span = span
         self._row_of: dict[str, int] | None = None
+
+    def gpu_ms(self) -> float:
+        """The step's device span in ms (call after `resolve`); NaN when not timed."""
+        return self.span.ms() if self.span is not None else float("nan")
 
     @property
     def row_of(self) -> dict[str, int]:
