@@ -7,8 +7,25 @@ blocks that replace out-of-window pages are never read.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
+
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def optional_gluon_module(name: str, fallback: str):
+    """The Gluon kernel module `name`, or None (logged once, with what runs instead: `fallback`)
+    where this Triton lacks the Gluon Hopper API the module is written against."""
+    try:
+        return importlib.import_module(name)
+    except (ImportError, AttributeError) as e:
+        logger.info("Gluon kernel %s unavailable (%s): %s", name.rsplit(".", 1)[-1], e, fallback)
+        return None
 
 
 def dot_precision(dtype) -> str:

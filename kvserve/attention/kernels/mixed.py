@@ -13,13 +13,13 @@ before this runs (`reshape_and_cache`).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Callable
 
 import torch
 
+from kvserve.attention.kernels.common import optional_gluon_module
 from kvserve.attention.kernels.decode import decode_attention
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
 from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
@@ -64,15 +64,9 @@ GLUON_MIN_FRESH_SHARE = 0.0
 _GLUON_OFF = {"reason": "KVSERVE_GLUON_PREFILL=0" if os.environ.get("KVSERVE_GLUON_PREFILL") == "0" else None}
 
 
-@functools.cache
 def _gluon_module():
     """The Gluon kernel's module, or None where this Triton lacks Gluon's Hopper API."""
-    try:
-        from kvserve.attention.kernels import prefill_gluon
-    except (ImportError, AttributeError) as e:
-        logger.info("Gluon prefill kernel unavailable (%s): the TMA path runs the Triton kernel", e)
-        return None
-    return prefill_gluon
+    return optional_gluon_module("kvserve.attention.kernels.prefill_gluon", "the TMA path runs the Triton kernel")
 
 
 def gluon_prefill(q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:

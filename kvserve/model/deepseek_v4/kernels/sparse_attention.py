@@ -21,8 +21,6 @@ inline, the two dependent lookups sat between each tile and the next
 """
 from __future__ import annotations
 
-import functools
-import logging
 import math
 from dataclasses import dataclass
 
@@ -30,10 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import dot_precision
+from kvserve.attention.kernels.common import dot_precision, optional_gluon_module
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch, entry_rows, sm_count, token_rows
-
-logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 _LOG2E_IN_KERNEL = tl.constexpr(LOG2E)
@@ -109,15 +105,10 @@ def default_config(num_tokens: int, max_keys: int) -> SparseAttentionConfig:
     return next(config for bound, config in DECODE_CONFIGS if num_tokens <= bound)
 
 
-@functools.cache
 def _gluon_module():
     """The Gluon kernel's module, or None where this Triton lacks Gluon's Hopper API."""
-    try:
-        from kvserve.model.deepseek_v4.kernels import sparse_decode_gluon
-    except (ImportError, AttributeError) as e:
-        logger.info("Gluon sparse decode kernel unavailable (%s): V4 attention runs the Triton kernels", e)
-        return None
-    return sparse_decode_gluon
+    return optional_gluon_module("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon",
+                                 "V4 attention runs the Triton kernels")
 
 
 def plan_splits(num_tokens: int, max_keys: int, num_sms: int, config: SparseAttentionConfig,
