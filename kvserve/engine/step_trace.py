@@ -293,8 +293,9 @@ def with_periods(steps: list[dict[str, float]], max_idle_ms: float = 500.0) -> l
         rest = period - a["step_ms"] - a["out_ms"]
         device = (c["start_s"] - b["start_s"]) * 1e3
         if rest <= max_idle_ms and device - b["step_ms"] - b["out_ms"] <= max_idle_ms:
+            gpu = b.get("prev_gpu_ms", math.nan)   # lines built by hand (tests) may lack the column
             out.append({**a, "host_ms": a["step_ms"] - a["wait_ms"], "rest_ms": rest, "device_ms": device,
-                        "gpu_ms": b.get("prev_gpu_ms", math.nan), "gap_ms": device - b.get("prev_gpu_ms", math.nan)})
+                        "gpu_ms": gpu, "gap_ms": device - gpu})
     return out
 
 
