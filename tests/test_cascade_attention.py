@@ -295,6 +295,9 @@ def test_the_runner_plans_cascade_only_where_it_serves(monkeypatch):
     assert not _cascade_wanted(torch.device("cpu"), layout, None)
     assert not _cascade_wanted(cuda, KVLayout(64, 16, 2, 2, (0, 1), 8, 128, torch.bfloat16), None)
     assert not _cascade_wanted(cuda, layout, object())   # a tensor-parallel step channel
+    monkeypatch.setenv(cascade.ENV, "yes")
+    with pytest.raises(ValueError, match="KVSERVE_CASCADE must be 0 or 1, got 'yes'"):
+        _cascade_wanted(cuda, layout, None)
 
 
 def test_graph_buffers_rewrite_every_slot_and_cap_the_groups():

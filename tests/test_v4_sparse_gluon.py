@@ -34,6 +34,9 @@ def test_default_configs_take_the_gluon_kernel_only_when_switched_on(gluon_state
     assert not attention.default_config(gluon.GLUON_MIN_TOKENS - 1, 640).gluon   # few tokens: Triton's splits
     assert attention.default_config(1 << 16, 640) is attention.PREFILL_CONFIG      # a plan too large: prefill
     assert attention.GLUON_CONFIG.planned   # its fallback where the kernel does not serve: the planned one
+    monkeypatch.setenv(gluon.ENV, "on")
+    with pytest.raises(ValueError, match="KVSERVE_GLUON_SPARSE must be 0 or 1, got 'on'"):
+        attention.default_config(256, 640)
 
 
 def _launch(monkeypatch, kernel):

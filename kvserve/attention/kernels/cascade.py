@@ -24,7 +24,6 @@ Full attention only (no sliding window, no sink keys).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import dot_precision, split_range, store_split
+from kvserve.attention.kernels.common import dot_precision, env_switch, split_range, store_split
 from kvserve.attention.kernels.decode import (LOG2E, DecodeConfig, _attend_and_store_newest, _attend_cached,
                                               _decode_reduce_kernel, plan_splits, sm_count)
 
@@ -108,7 +107,7 @@ def _runs(table: np.ndarray, lens: np.ndarray, order: np.ndarray, page: int) -> 
 def enabled_by_env() -> bool:
     """KVSERVE_CASCADE=1: decode steps of a model with one full-attention KV group read shared
     prefixes once (off by default until its served A/B on a GPU)."""
-    return os.environ.get(ENV) == "1"
+    return env_switch(ENV)
 
 
 def graph_groups(size: int) -> int:

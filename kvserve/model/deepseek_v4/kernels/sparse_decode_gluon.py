@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
@@ -42,6 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from kvserve.attention.kernels.common import env_switch
 from kvserve.attention.kernels.prefill_gluon import ring_barriers
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ _BROKEN = {"reason": None}   # set when the kernel failed to build (a Triton wit
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV) == "1"
+    return env_switch(ENV)
 
 
 def disable(reason: str) -> None:
