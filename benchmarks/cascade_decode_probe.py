@@ -14,6 +14,7 @@ Each case: both kernels checked against each other (relative error), then timed 
 do_bench_cudagraph (the plan is built outside the timing; its host time is printed apart).
 
     python3 benchmarks/cascade_decode_probe.py [--batches 24 51 112] [--prefix-splits 2 4 8]
+    python3 benchmarks/cascade_decode_probe.py --plan-host --batches 24 51 256   # the host's grouping, no GPU
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def owners_for(n: int, sharing: str, seed: int = 0) -> list[int]:
     return [i // int(sharing) for i in range(n)]
 
 
-def make_batch(n: int, sharing: str):
+def make_batch(n: int, sharing: str, device: str = "cuda"):
     """Block tables over a random pool: a file's prefix blocks shared by its sequences, each
     sequence's own blocks after them; blocks drawn at random so neighbours are not contiguous."""
     rng = random.Random(n)
@@ -55,7 +56,7 @@ def make_batch(n: int, sharing: str):
         rows.append(prefix + [free.pop() for _ in range(-(-own // PAGE))])
         lens.append(PREFIX + own)
     width = max(len(r) for r in rows)
-    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device="cuda")
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
     return rows, lens, table
 
 
@@ -82,12 +83,35 @@ def run_case(cache, n: int, sharing: str, prefix_splits: int) -> None:
           f"plan {plan_us:6.0f} us host  rel err {err:.1e}", flush=True)
 
 
+def plan_host(batches: list[int]) -> None:
+    """The host's grouping per step (`plan_groups` on the host block table) and a graph's buffer
+    rewrite, median of 50, Zipf owners; no GPU needed."""
+    import statistics
+    for n in batches:
+        _, lens, table = make_batch(n, "zipf", "cpu")
+        table, lens = table.numpy(), torch.tensor(lens).numpy()
+        buffers = cascade.CascadeBuffers(n, cascade.MAX_GRAPH_GROUPS, table.shape[1], "cpu")
+        group_us, write_us = [], []
+        for _ in range(50):
+            start = time.perf_counter()
+            groups = cascade.plan_groups(table, lens, PAGE)
+            mid = time.perf_counter()
+            buffers.write(groups, table, n, PAGE)
+            group_us.append((mid - start) * 1e6)
+            write_us.append((time.perf_counter() - mid) * 1e6)
+        print(f"N {n:4d}  groups {len(groups):3d} ({sum(len(m) for m, _ in groups)} sequences)  "
+              f"plan_groups {statistics.median(group_us):6.0f} us  buffer write {statistics.median(write_us):5.0f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[24, 51, 112])
     p.add_argument("--sharing", nargs="+", default=["zipf", "1", "3", "16"])
     p.add_argument("--prefix-splits", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--plan-host", action="store_true", help="time the host's grouping only (no GPU)")
     a = p.parse_args()
+    if a.plan_host:
+        return plan_host(a.batches)
     cache = torch.randn(2, POOL_BLOCKS, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     print(f"device: {torch.cuda.get_device_name()}, pool {cache.numel() * 2 >> 20} MB; one layer's attention")
     for n in a.batches:
