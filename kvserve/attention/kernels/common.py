@@ -143,7 +143,9 @@ def merge_splits(part_out_ptr, part_lse_ptr, first_row, num_splits, SPLITS_POW2:
     split_valid = splits < num_splits
     rows = first_row + splits
     lse = tl.load(part_lse_ptr + rows, mask=split_valid, other=float("-inf"))
-    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.max(lse, 0)))
+    has_keys = lse != float("-inf")
+    weight = tl.where(has_keys, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    # An empty split may store its -inf alone (decode's balanced splits): its partial is not read.
     part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
-                   mask=split_valid[:, None], other=0.0)
+                   mask=(split_valid & has_keys)[:, None], other=0.0)
     return tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
