@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve.attention.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE, FILES, BOUND = 32, 8, 128, 16, 48, 8192
-POOL_BLOCKS = (4 << 30) // (2 * PAGE * KV_HEADS * DIM * 2)
+BLOCK_BYTES = 2 * PAGE * KV_HEADS * DIM * 2
+POOL_BLOCKS = (4 << 30) // BLOCK_BYTES   # --pool-gb sets it
+RANDOM_PLACEMENT = True                  # --contiguous clears it
 
 
 def lognormal(rng: random.Random, mean: float, sigma: float) -> int:
@@ -51,7 +53,7 @@ def ide_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
 def block_table(owners: list[int], lens: list[int], prefix_of: dict[int, int], rows: int) -> torch.Tensor:
     """Random pool blocks; a file's prefix blocks shared by its rows; padding rows block 0."""
     rng = random.Random(len(lens))
-    free = rng.sample(range(1, POOL_BLOCKS), POOL_BLOCKS - 1)
+    free = rng.sample(range(1, POOL_BLOCKS), POOL_BLOCKS - 1) if RANDOM_PLACEMENT else list(range(POOL_BLOCKS - 1, 0, -1))
     shared: dict[int, list[int]] = {}
     table = torch.zeros(rows, BOUND // PAGE, dtype=torch.int32)
     for i, (owner, n) in enumerate(zip(owners, lens)):
@@ -90,17 +92,24 @@ def main() -> None:
     import triton.testing
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[24, 32, 51, 112])
+    parser.add_argument("--pool-gb", type=int, default=4)
+    parser.add_argument("--contiguous", action="store_true", help="blocks in order, not drawn at random")
+    parser.add_argument("--cases", nargs="+", default=["equal", "ide"])
+    parser.add_argument("--no-mixed", action="store_true")
     args = parser.parse_args()
+    global POOL_BLOCKS, RANDOM_PLACEMENT
+    POOL_BLOCKS, RANDOM_PLACEMENT = (args.pool_gb << 30) // BLOCK_BYTES, not args.contiguous
     torch.manual_seed(0)
     cache = torch.randn(2, POOL_BLOCKS, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     copy = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")
     copy_ms = triton.testing.do_bench_cudagraph(lambda: copy[: 1 << 27].copy_(copy[1 << 27:]))
     gbps = 2 * (1 << 28) / copy_ms / 1e6
-    print(f"device: {torch.cuda.get_device_name()}, copy {gbps:,.0f} GB/s; one layer's decode attention")
+    print(f"device: {torch.cuda.get_device_name()}, copy {gbps:,.0f} GB/s; one layer's decode attention; "
+          f"pool {args.pool_gb} GB, blocks {'in order' if args.contiguous else 'at random'}")
     even, balanced = DecodeConfig(balance=False), DecodeConfig()
     for n in args.batches:
-        for contexts in ("equal", "ide"):
-            for mixed in (None, 96, 256):
+        for contexts in args.cases:
+            for mixed in (None,) if args.no_mixed else (None, 96, 256):
                 if mixed is not None and mixed < n:
                     continue
                 q, table, qsl, lens, keys = case(cache, n, contexts, mixed)

@@ -248,7 +248,8 @@ def test_decode_launch_plan():
     config = DecodeConfig()
     assert plan_launch(24, 8, 8192, 132, config) == (BALANCED_SPLITS, True)
     assert plan_launch(256, 8, 8192, 132, config) == (1, False)
-    assert plan_launch(256, 8, 8192, 132, config, single_only=True) == (BALANCED_SPLITS, True)
+    assert plan_launch(96, 8, 8192, 132, config, single_only=True) == (5, True)    # 4,096 programs at most
+    assert plan_launch(256, 8, 8192, 132, config, single_only=True) == (2, True)
     assert plan_launch(24, 8, 300, 132, config) == (2, True)     # 300 keys: two splits of 128 at most
     assert plan_launch(24, 8, 200, 132, config)[1] is False       # one split of min_split_keys: direct
     assert plan_launch(24, 8, 8192, 132, DecodeConfig(num_splits=3)) == (3, False)

@@ -24,6 +24,10 @@ MAX_SPLITS = 64
 # Split axis of balanced launches (`DecodeConfig.balance`): a context of up to 16x the
 # launch's balanced split length gets all its splits; a longer one takes longer splits.
 BALANCED_SPLITS = 16
+# ...and no more programs than this in all: past a few per SM slot, the programs that exit at
+# once cost more than the balance saves (H200: a mixed graph of 256 sequences with 24 decode
+# rows, 16 splits: 1.15-1.48x the even plan's time; `benchmarks/decode_balance_probe.py`).
+BALANCED_PROGRAMS = 4096
 
 
 @dataclass(frozen=True)
@@ -149,12 +153,14 @@ def _batch_keys(seq_lens_ptr, query_start_loc_ptr, num_seqs, window, sink,
 
 @triton.jit
 def _balanced_split_len(num_keys, num_splits, total_keys, target, min_split, BLOCK_N: tl.constexpr):
-    """Keys per split of one sequence under balanced splitting: one length for the whole
-    launch, the batch's keys over `target` programs a KV head (at least `min_split`), so a
-    long context gets more splits than a short one and no program walks far more keys than
-    the rest; longer only where the grid's `num_splits` could not hold this sequence's."""
+    """Keys per split of one sequence under balanced splitting. The launch's keys over `target`
+    programs a KV head (at least `min_split`) set a chunk; each sequence takes as many splits
+    as its keys fill chunks (at most the grid's `num_splits`) and cuts its keys evenly over
+    them. A long context gets more splits than a short one, and equal contexts split as the
+    even plan splits them."""
     chunk = tl.maximum(tl.cdiv(total_keys, target), min_split)
-    return tl.cdiv(tl.maximum(chunk, tl.cdiv(num_keys, num_splits)), BLOCK_N) * BLOCK_N
+    splits = tl.minimum(tl.cdiv(num_keys, chunk), num_splits)
+    return tl.cdiv(tl.cdiv(num_keys, BLOCK_N), splits) * BLOCK_N
 
 
 @triton.jit
@@ -297,7 +303,8 @@ def plan_launch(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int, c
     num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, num_sms, config)
     if not (config.balance and config.num_splits is None and (num_splits > 1 or single_only)):
         return num_splits, False
-    num_splits = max(1, min(BALANCED_SPLITS, max_keys // config.min_split_keys))
+    room = max(2, BALANCED_PROGRAMS // (num_seqs * num_kv_heads))
+    num_splits = max(1, min(BALANCED_SPLITS, room, max_keys // config.min_split_keys))
     return num_splits, num_splits > 1
 
 
