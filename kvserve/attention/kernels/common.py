@@ -128,8 +128,9 @@ def store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, part_
     else:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         part_row = (part_index * NUM_HEADS + head).to(tl.int64) * num_splits + split
+        # An empty split's partial is never read (merge_splits): its -inf alone is stored.
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=row_valid[:, None])
+                 mask=(row_valid & has_keys)[:, None])
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 

@@ -198,12 +198,9 @@ def _decode_split_kernel(
     if BALANCE:
         total = _batch_keys(seq_lens_ptr, query_start_loc_ptr, num_seqs, window, sink, SLIDING, SINGLE_ONLY)
         split_len = _balanced_split_len(num_keys, num_splits, total, target, min_split, BLOCK_N)
+        # A split past this sequence's keys walks no tile and stores only its -inf (store_split).
         start = split * split_len
         end = tl.minimum(num_keys, start + split_len)
-        if start >= num_keys:  # past this sequence's splits: the reduce reads only its -inf
-            part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits + split
-            tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=row_valid)
-            return
     else:
         start, end = split_range(num_keys, split, num_splits, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -234,8 +231,9 @@ def _decode_split_kernel(
             HEAD_DIM, PAGE_SIZE)
     if BALANCE:  # a sequence that fits one split writes its output itself (the reduce skips it)
         if split_len >= num_keys:
-            store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
-                        split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, True)
+            if split == 0:
+                store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
+                            split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, True)
         else:
             store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
                         split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, False)
