@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import (dot_precision, merge_splits, online_softmax_tile,
+from kvserve.attention.kernels.common import (dot_precision, env_switch, merge_splits, online_softmax_tile,
                                               score_tile, split_range, store_split, visible_range)
 
 LOG2E = 1.4426950408889634
@@ -28,6 +28,8 @@ BALANCED_SPLITS = 16
 # once cost more than the balance saves (H200: a mixed graph of 256 sequences with 24 decode
 # rows, 16 splits: 1.15-1.48x the even plan's time; `benchmarks/decode_balance_probe.py`).
 BALANCED_PROGRAMS = 4096
+# KVSERVE_DECODE_EVEN_SPLITS=1 keeps the even plan (A/B runs), read once at import.
+EVEN_SPLITS = env_switch("KVSERVE_DECODE_EVEN_SPLITS")
 
 
 @dataclass(frozen=True)
@@ -299,7 +301,7 @@ def plan_launch(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int, c
     exit at once. Split launches balance, and every mixed batch's decode rows: its grid is
     planned for a graph's sequence capacity, however few rows it replays."""
     num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, num_sms, config)
-    if not (config.balance and config.num_splits is None and (num_splits > 1 or single_only)):
+    if EVEN_SPLITS or not (config.balance and config.num_splits is None and (num_splits > 1 or single_only)):
         return num_splits, False
     room = max(2, BALANCED_PROGRAMS // (num_seqs * num_kv_heads))
     num_splits = max(1, min(BALANCED_SPLITS, room, max_keys // config.min_split_keys))
