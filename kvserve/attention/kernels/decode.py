@@ -54,7 +54,7 @@ class DecodeConfig:
     # a third of its keys on one program while the rest of the GPU idles (served
     # ide-completion: files of ~200 to ~2,500 tokens in one batch). Split launches, and
     # every mixed batch's (its grid is planned for a graph's sequence capacity, not its rows).
-    balance: bool = True
+    balance: bool = False
 
     @staticmethod
     def uniform(block_n: int, num_warps: int, num_stages: int, **kw) -> "DecodeConfig":
