@@ -49,8 +49,6 @@
 #   stage 14 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone, served ide-completion at 30 and 60 with
 #                                                     KVSERVE_CASCADE=$CASCADE (run with CASCADE=0, then 1):
 #                                                     the client's table and the decode period by rows
-#   stage 15 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone, served ide-completion at 30 and 60 with
-#                                                     balanced decode splits (EVEN=0) or even ones (EVEN=1)
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -59,7 +57,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|15 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|14 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -176,13 +174,5 @@ case $stage in
       | grep -E "^(=|TTFT|ITL|E2E|Request thr)"
     PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$trace" --segments | grep -E "segment|by rows" \
       | tee "$OUT/steps_cascade${on}_rows.txt" ;;
-  15)  # kvserve alone, served ide-completion at 30 and 60 with KVSERVE_DECODE_EVEN_SPLITS=${EVEN:-0} (call with 0, 1)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .srv/*.whl
-    even=${EVEN:-0}; runs_out=$OUT/even$even; trace=$OUT/steps_even$even.tsv; mkdir -p "$runs_out"
-    OUT=$runs_out KVSERVE_DECODE_EVEN_SPLITS=$even KVSERVE_STEP_TRACE=$trace PYTHONPATH=/tmp/site timeout 520 \
-      bash benchmarks/serve_load.sh kvserve "$PWD/.dummy-qwen3-8b" "${RUNS:-ide-completion:30 ide-completion:60}" 2>&1 \
-      | grep -E "^(=|TTFT|ITL|E2E|Request thr)"
-    PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$trace" --segments | grep -E "segment|by rows|gpu span" \
-      | tee "$OUT/steps_even${even}_rows.txt" ;;
-  *) echo "stage must be 1, 2, 2b or 3 to 15"; exit 2 ;;
+  *) echo "stage must be 1, 2, 2b or 3 to 14"; exit 2 ;;
 esac

@@ -182,9 +182,7 @@ def graph_buffers_check(heads: int, kv_heads: int, limit: int, padding: int) -> 
                                      seq_lens, max(lens), 0.25, buffers.plan(size, limit),
                                      new_kv=(k_new, v_new, slots), parts=parts, suffix_splits=2, config=TILES16)
     assert (out[:n].double() - expected).abs().max().item() < 1e-5, ("graph replay", heads, kv_heads, limit)
-    # Every partial the reduce reads is finite; an empty split stores only its -inf (store_split).
-    read = parts[1] != float("-inf")
-    assert torch.isfinite(out[n:]).all() and torch.isfinite(parts[0][read]).all() and not parts[1].isnan().any()
+    assert torch.isfinite(out[n:]).all() and torch.isfinite(parts[0]).all()
 
 
 def backend_check(q, cache, table, rows, lens) -> None:

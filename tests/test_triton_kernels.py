@@ -234,26 +234,13 @@ def test_decode_fixed_split_counts(num_splits, fused_write):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused_write", [False, True], ids=["cached", "fused-write"])
 @pytest.mark.parametrize("spec", [FullAttentionSpec(), SlidingWindowSpec(window=1024, sink=4)], ids=lambda s: s.describe())
-def test_decode_balanced_skewed_lengths(spec, fused_write):
-    """Balanced splits (the default) where one context is ten times the others', as when a
-    long file's completion decodes beside short ones: 2,600 keys take more splits than 260."""
+def test_decode_skewed_lengths(spec, fused_write):
+    """One context ten times the others', as when a long file's completion decodes beside
+    short ones: each sequence's keys cut over the same split count, the short ones' last
+    splits empty."""
     seqs = [(2600, 1)] + [(260 + 37 * i, 1) for i in range(23)]
     err = check_attention(seqs, spec, 16, heads=32, kv_heads=8, seed=7, fused_write=fused_write)
     assert err < TOL
-
-
-def test_decode_launch_plan():
-    """Split launches and mixed batches balance; large decode batches stay direct."""
-    from kvserve.attention.kernels.decode import BALANCED_SPLITS, DecodeConfig, plan_launch
-    config = DecodeConfig()
-    assert plan_launch(24, 8, 8192, 132, config) == (BALANCED_SPLITS, True)
-    assert plan_launch(256, 8, 8192, 132, config) == (1, False)
-    assert plan_launch(96, 8, 8192, 132, config, single_only=True) == (5, True)    # 4,096 programs at most
-    assert plan_launch(256, 8, 8192, 132, config, single_only=True) == (2, True)
-    assert plan_launch(24, 8, 300, 132, config) == (2, True)     # 300 keys: two splits of 128 at most
-    assert plan_launch(24, 8, 200, 132, config)[1] is False       # one split of min_split_keys: direct
-    assert plan_launch(24, 8, 8192, 132, DecodeConfig(num_splits=3)) == (3, False)
-    assert plan_launch(24, 8, 8192, 132, DecodeConfig(balance=False))[1] is False
 
 
 @pytest.mark.gpu
@@ -488,22 +475,12 @@ def interpreter_smoke() -> None:
                                   dtype=torch.float16, fused_write=fused_write,
                                   decode_config=DecodeConfig(split_block_n=16, num_splits=num_splits))
             assert err < TOL, (num_splits, fused_write, err)
-    # Balanced splits (the default's, here with short splits so these contexts split):
-    # 300 keys take more splits than 70, one-split sequences write their rows themselves.
-    balanced = DecodeConfig(split_block_n=16, min_split_keys=16)
-    for fused_write in (False, True):
-        for spec, block_size in ((full, 8), (sink, 16)):
-            err = check_attention(decodes + [(300, 1)], spec, block_size, heads=4, kv_heads=2, head_dim=16,
-                                  device="cpu", dtype=torch.float16, fused_write=fused_write,
-                                  decode_config=balanced)
-            assert err < TOL, ("balanced", spec, block_size, fused_write, err)
     for block_size in (8, 16):
-        for config in (DecodeConfig(split_block_n=16, num_splits=3), balanced):
-            check_row_ownership("cpu", torch.float16, block_size=block_size, decode_config=config)
+        check_row_ownership("cpu", torch.float16, block_size=block_size)
 
 
 def check_row_ownership(device: str, dtype, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                        block_size: int = 8, decode_config=None) -> None:
+                        block_size: int = 8) -> None:
     """In a mixed batch each kernel writes exactly its own rows: the varlen
     kernel (single_queries=False) every sequence with a longer query (with
     `only_up_to`, those up to that length: the TMA kernel takes the longer ones),
@@ -531,8 +508,7 @@ def check_row_ownership(device: str, dtype, heads: int = 4, kv_heads: int = 2, h
                 window, sink, single_queries=False, only_up_to=7)),
             ("decode", lambda n: n == 1, lambda out: decode_attention(
                 q, kv_cache, out, meta.block_tables[0], meta.query_start_loc, meta.seq_lens, meta.max_seq_len,
-                layer.scale, window, sink, config=decode_config or DecodeConfig(split_block_n=16, num_splits=3),
-                single_only=True))):
+                layer.scale, window, sink, config=DecodeConfig(split_block_n=16, num_splits=3), single_only=True))):
         out = torch.full_like(q, float("nan"))
         run(out)
         for i, (a, b) in enumerate(zip(starts, starts[1:])):

@@ -294,7 +294,6 @@ def cascade_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, WRITE_NEW=new_kv is not None,
         num_warps=num_warps, num_stages=num_stages, **common)
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1), num_parts, seq_lens, 0, 0,
-        num_seqs, 1, 1, NUM_HEADS=num_heads, SPLITS_POW2=max(2, triton.next_power_of_2(num_parts)),
-        HEAD_DIM=head_dim, SINGLE_ONLY=False, BALANCE=False, SLIDING=False, BLOCK_N=block_n)
+        part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1), num_parts, NUM_HEADS=num_heads,
+        SPLITS_POW2=max(2, triton.next_power_of_2(num_parts)), HEAD_DIM=head_dim, SINGLE_ONLY=False)
     return out

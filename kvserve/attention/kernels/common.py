@@ -128,9 +128,8 @@ def store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, part_
     else:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         part_row = (part_index * NUM_HEADS + head).to(tl.int64) * num_splits + split
-        # An empty split's partial is never read (merge_splits): its -inf alone is stored.
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=(row_valid & has_keys)[:, None])
+                 mask=row_valid[:, None])
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 
@@ -144,9 +143,7 @@ def merge_splits(part_out_ptr, part_lse_ptr, first_row, num_splits, SPLITS_POW2:
     split_valid = splits < num_splits
     rows = first_row + splits
     lse = tl.load(part_lse_ptr + rows, mask=split_valid, other=float("-inf"))
-    has_keys = lse != float("-inf")
-    weight = tl.where(has_keys, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    # An empty split may store its -inf alone (decode's balanced splits): its partial is not read.
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.max(lse, 0)))
     part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
-                   mask=(split_valid & has_keys)[:, None], other=0.0)
+                   mask=split_valid[:, None], other=0.0)
     return tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)

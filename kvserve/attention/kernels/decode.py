@@ -16,20 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import (dot_precision, env_switch, merge_splits, online_softmax_tile,
+from kvserve.attention.kernels.common import (dot_precision, merge_splits, online_softmax_tile,
                                               score_tile, split_range, store_split, visible_range)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-# Split axis of balanced launches (`DecodeConfig.balance`): a context of up to 16x the
-# launch's balanced split length gets all its splits; a longer one takes longer splits.
-BALANCED_SPLITS = 16
-# ...and no more programs than this in all: past a few per SM slot, the programs that exit at
-# once cost more than the balance saves (H200: a mixed graph of 256 sequences with 24 decode
-# rows, 16 splits: 1.15-1.48x the even plan's time; `benchmarks/decode_balance_probe.py`).
-BALANCED_PROGRAMS = 4096
-# KVSERVE_DECODE_EVEN_SPLITS=1 keeps the even plan (A/B runs), read once at import.
-EVEN_SPLITS = env_switch("KVSERVE_DECODE_EVEN_SPLITS")
 
 
 @dataclass(frozen=True)
@@ -49,12 +40,6 @@ class DecodeConfig:
     # one program walking a few hundred keys is latency-bound (H200, batch 1).
     min_split_keys: int = 128
     num_splits: int | None = None  # fixed split count (bench sweeps); None = heuristic
-    # Balanced splits: one split length for the whole launch (its keys over waves * SMs
-    # programs), so a long context among short ones takes more splits instead of walking
-    # a third of its keys on one program while the rest of the GPU idles (served
-    # ide-completion: files of ~200 to ~2,500 tokens in one batch). Split launches, and
-    # every mixed batch's (its grid is planned for a graph's sequence capacity, not its rows).
-    balance: bool = False
 
     @staticmethod
     def uniform(block_n: int, num_warps: int, num_stages: int, **kw) -> "DecodeConfig":
@@ -133,58 +118,18 @@ def _attend_and_store_newest(q, m_i, l_i, acc, qk_scale, owns_newest, token, kv_
     return m_i, l_i, acc
 
 
-@triton.jit
-def _batch_keys(seq_lens_ptr, query_start_loc_ptr, num_seqs, window, sink,
-                SLIDING: tl.constexpr, SINGLE_ONLY: tl.constexpr):
-    """Keys the whole launch attends (each sequence's visible keys, summed; with SINGLE_ONLY,
-    the one-query sequences' only). Every program sums them itself: under a CUDA graph the
-    lengths live on the device alone, rewritten before each replay."""
-    total = 0
-    for first in range(0, num_seqs, 128):
-        idx = first + tl.arange(0, 128)
-        valid = idx < num_seqs
-        lens = tl.load(seq_lens_ptr + idx, mask=valid, other=0)
-        if SLIDING:
-            lens = tl.minimum(lens, window + sink)
-        if SINGLE_ONLY:
-            starts = tl.load(query_start_loc_ptr + idx, mask=valid, other=0)
-            lens = tl.where(tl.load(query_start_loc_ptr + idx + 1, mask=valid, other=0) - starts == 1, lens, 0)
-        total += tl.sum(lens)
-    return total
-
-
-@triton.jit
-def _balanced_split_len(num_keys, num_splits, total_keys, target, min_split, BLOCK_N: tl.constexpr):
-    """Keys per split of one sequence under balanced splitting. The launch's keys over `target`
-    programs a KV head (at least `min_split`) set a chunk; each sequence takes as many splits
-    as its keys fill chunks (at most the grid's `num_splits`) and cuts its keys evenly over
-    them. A long context gets more splits than a short one, and equal contexts split as the
-    even plan splits them."""
-    chunk = tl.maximum(tl.cdiv(total_keys, target), min_split)
-    splits = tl.minimum(tl.cdiv(num_keys, chunk), num_splits)
-    return tl.cdiv(tl.cdiv(num_keys, BLOCK_N), splits) * BLOCK_N
-
-
-@triton.jit
-def _seq_keys(seq, seq_lens_ptr, window, sink, SLIDING: tl.constexpr):
-    """(visible keys of `seq`'s one query, lo, sink_end)."""
-    seq_len = tl.load(seq_lens_ptr + seq)
-    lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
-    return sink_end + seq_len - lo, lo, sink_end
-
-
-@triton.jit(do_not_specialize=["stride_table", "num_splits", "num_seqs", "target", "min_split"])
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, qk_scale, window, sink,
     stride_qt, stride_qh, stride_table,
-    stride_cache_block, stride_cache_offset, stride_cache_head, num_splits, num_seqs, target, min_split,
+    stride_cache_block, stride_cache_offset, stride_cache_head, num_splits,
     k_new_ptr, v_new_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
     out_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WRITE_NEW: tl.constexpr, DIRECT: tl.constexpr,
-    SINGLE_ONLY: tl.constexpr, BALANCE: tl.constexpr,
+    SINGLE_ONLY: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -192,19 +137,15 @@ def _decode_split_kernel(
     if SINGLE_ONLY:  # a mixed batch: the varlen kernel owns every longer query
         if _query_len(query_start_loc_ptr, seq) != 1:
             return
+    seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    num_keys, lo, sink_end = _seq_keys(seq, seq_lens_ptr, window, sink, SLIDING)
+    lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
+    num_keys = sink_end + seq_len - lo
+    start, end = split_range(num_keys, split, num_splits, BLOCK_N)
+
     rows = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + rows
     row_valid = rows < GROUP
-    if BALANCE:
-        total = _batch_keys(seq_lens_ptr, query_start_loc_ptr, num_seqs, window, sink, SLIDING, SINGLE_ONLY)
-        split_len = _balanced_split_len(num_keys, num_splits, total, target, min_split, BLOCK_N)
-        # A split past this sequence's keys walks no tile and stores only its -inf (store_split).
-        start = split * split_len
-        end = tl.minimum(num_keys, start + split_len)
-    else:
-        start, end = split_range(num_keys, split, num_splits, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None], other=0.0)
@@ -231,36 +172,20 @@ def _decode_split_kernel(
             k_new_ptr, v_new_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
             k_cache_ptr, v_cache_ptr, stride_cache_block, stride_cache_offset, kv_head_offset,
             HEAD_DIM, PAGE_SIZE)
-    if BALANCE:  # a sequence that fits one split writes its output itself (the reduce skips it)
-        if split_len >= num_keys:
-            if split == 0:
-                store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
-                            split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, True)
-        else:
-            store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
-                        split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, False)
-    else:
-        store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
-                    split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
+    store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, seq, head, row_valid,
+                split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_seqs", "target", "min_split"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
-    num_splits, seq_lens_ptr, window, sink, num_seqs, target, min_split,
-    NUM_HEADS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, SINGLE_ONLY: tl.constexpr, BALANCE: tl.constexpr,
-    SLIDING: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits, NUM_HEADS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SINGLE_ONLY: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     if SINGLE_ONLY:
         if _query_len(query_start_loc_ptr, seq) != 1:
-            return
-    if BALANCE:  # the same split length as the split kernel's: one split wrote the output itself
-        num_keys, lo, sink_end = _seq_keys(seq, seq_lens_ptr, window, sink, SLIDING)
-        total = _batch_keys(seq_lens_ptr, query_start_loc_ptr, num_seqs, window, sink, SLIDING, SINGLE_ONLY)
-        if _balanced_split_len(num_keys, num_splits, total, target, min_split, BLOCK_N) >= num_keys:
             return
     row = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
     out = merge_splits(part_out_ptr, part_lse_ptr, row, num_splits, SPLITS_POW2, HEAD_DIM)
@@ -293,21 +218,6 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int,
     return max(1, min(wanted, tiles, MAX_SPLITS))
 
 
-def plan_launch(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int, config: DecodeConfig,
-                single_only: bool = False) -> tuple[int, bool]:
-    """(split axis, balanced) of a launch. A balanced launch (`DecodeConfig.balance`) has room
-    for BALANCED_SPLITS splits of the longest context (fewer where they would be shorter than
-    min_split_keys); a sequence takes only the splits its keys fill, the programs past them
-    exit at once. Split launches balance, and every mixed batch's decode rows: its grid is
-    planned for a graph's sequence capacity, however few rows it replays."""
-    num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, num_sms, config)
-    if EVEN_SPLITS or not (config.balance and config.num_splits is None and (num_splits > 1 or single_only)):
-        return num_splits, False
-    room = max(2, BALANCED_PROGRAMS // (num_seqs * num_kv_heads))
-    num_splits = max(1, min(BALANCED_SPLITS, room, max_keys // config.min_split_keys))
-    return num_splits, num_splits > 1
-
-
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                      block_table: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, max_seq_len: int, scale: float,
@@ -331,7 +241,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     max_keys = max_seq_len if window is None else min(max_seq_len, window + sink)
-    num_splits, balance = plan_launch(num_seqs, num_kv_heads, max_keys, sm_count(q.device), config, single_only)
+    num_splits = plan_splits(num_seqs, num_kv_heads, max_keys, sm_count(q.device), config)
     direct = num_splits == 1
     block_n, num_warps, num_stages = config.tile(num_splits)
     # Direct launches never touch the partials: one dummy element stands in.
@@ -339,25 +249,24 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(part_shape[:3], dtype=torch.float32, device=q.device)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)
-    target = triton.cdiv(config.waves * sm_count(q.device), num_kv_heads)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, part_out, part_lse, block_table,
         query_start_loc, seq_lens, scale * LOG2E, window or 0, sink,
         q.stride(0), q.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_splits,
-        num_seqs, target, config.min_split_keys, k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_new, v_new, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=kv_cache.shape[2], BLOCK_N=block_n,
         SLIDING=window is not None, DOT_PRECISION=dot_precision(kv_cache.dtype),
-        WRITE_NEW=new_kv is not None, DIRECT=direct, SINGLE_ONLY=single_only, BALANCE=balance,
+        WRITE_NEW=new_kv is not None, DIRECT=direct, SINGLE_ONLY=single_only,
         num_warps=num_warps, num_stages=num_stages)
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
-            num_splits, seq_lens, window or 0, sink, num_seqs, target, config.min_split_keys,
-            NUM_HEADS=num_heads, SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-            SINGLE_ONLY=single_only, BALANCE=balance, SLIDING=window is not None, BLOCK_N=block_n)
+            num_splits, NUM_HEADS=num_heads,
+            SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+            SINGLE_ONLY=single_only)
     return out

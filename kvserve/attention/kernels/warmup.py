@@ -22,7 +22,6 @@ from dataclasses import replace
 import torch
 
 from kvserve.attention.backend import AttentionLayerInfo
-from kvserve.attention.kernels.decode import BALANCED_SPLITS
 from kvserve.attention.kernels.decode import MAX_SPLITS as DECODE_MAX_SPLITS
 from kvserve.attention.kernels.decode import DecodeConfig, decode_attention
 from kvserve.attention.kernels.mixed import (LARGE_TILES, LARGE_TILES_MIN_TOKENS, TMA_MIN_TOKENS, disable_gluon,
@@ -63,12 +62,6 @@ def _warm_shape(heads: int, kv_heads: int, head_dim: int, window: int | None, si
             decode_attention(*batch.args(decode=not single_only), batch.bound(config.split_block_n, num_splits),
                              scale, window, sink, config=config, new_kv=new_kv, single_only=single_only)
             launches += 1
-    # Balanced split launches (the default config's, `DecodeConfig.balance`): one split axis.
-    balanced = DecodeConfig()
-    for single_only, new_kv in ((True, None), (False, batch.new_kv())):
-        decode_attention(*batch.args(decode=not single_only), BALANCED_SPLITS * balanced.min_split_keys,
-                         scale, window, sink, config=balanced, new_kv=new_kv, single_only=single_only)
-        launches += 1
     configs = [PrefillConfig()]
     if takes_large_tiles(LARGE_TILES_MIN_TOKENS, head_dim, batch.kv_cache.element_size(), window):
         configs.append(LARGE_TILES)   # a large eager step's (kernels/mixed.py)
