@@ -26,9 +26,11 @@ def gluon_state(monkeypatch):
     return gluon
 
 
-def test_default_configs_take_the_gluon_kernel_only_when_switched_on(gluon_state, monkeypatch):
-    monkeypatch.delenv(gluon.ENV, raising=False)
+def test_default_configs_take_the_gluon_kernel_unless_switched_off(gluon_state, monkeypatch):
+    monkeypatch.setenv(gluon.ENV, "0")
     assert not attention.default_config(256, 640).gluon
+    monkeypatch.delenv(gluon.ENV, raising=False)
+    assert attention.default_config(256, 640) is attention.GLUON_CONFIG
     monkeypatch.setenv(gluon.ENV, "1")
     assert attention.default_config(gluon.GLUON_MIN_TOKENS, 640) is attention.GLUON_CONFIG
     assert not attention.default_config(gluon.GLUON_MIN_TOKENS - 1, 640).gluon   # few tokens: Triton's splits

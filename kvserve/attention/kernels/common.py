@@ -18,9 +18,9 @@ import triton.language as tl
 logger = logging.getLogger(__name__)
 
 
-def env_switch(name: str) -> bool:
-    """An opt-in switch: unset or "0" off, "1" on; any other value is refused by name."""
-    value = os.environ.get(name, "0")
+def env_switch(name: str, default: bool = False) -> bool:
+    """A switch: "0" off, "1" on, unset `default`; any other value is refused by name."""
+    value = os.environ.get(name, "1" if default else "0")
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"

@@ -91,7 +91,7 @@ DECODE_CONFIGS = (
 )
 
 
-# From GLUON_MIN_TOKENS tokens with KVSERVE_GLUON_SPARSE=1: the Gluon kernel, else the planned one.
+# From GLUON_MIN_TOKENS tokens (unless KVSERVE_GLUON_SPARSE=0): the Gluon kernel, else the planned one.
 GLUON_CONFIG = SparseAttentionConfig(block_n=64, num_splits=1, planned=True, gluon=True)
 
 
