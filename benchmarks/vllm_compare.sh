@@ -151,8 +151,9 @@ case $stage in
     PYTHONPATH=$PWD timeout 60 python3 benchmarks/served_profile_compare.py "$PROFILE_DIR/prof_kvserve" \
       "$PROFILE_DIR/prof_kvserve" 2>&1 | tee "$OUT/served_profile_kvserve.txt" | head -40
     for shape in ide24prof ide24solo; do   # three requests a prefix, then none shared
+      # The whole profile to the file (its head holds the per-kernel ms a step), its tail to the log.
       PYTHONPATH=$PWD timeout 120 python3 benchmarks/step_diagnostics.py $shape 49152 2>&1 | grep -v -i warn \
-        | tail -30 | tee "$OUT/$shape.txt"
+        > "$OUT/$shape.txt"; tail -30 "$OUT/$shape.txt"
     done ;;
   12)  # DeepSeek V4's Gluon sparse decode kernel: its GPU tests, then the decode path without and with it
     PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -m gpu tests/test_v4_sparse_gluon.py 2>&1 | tail -4 \
