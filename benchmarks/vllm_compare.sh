@@ -49,6 +49,9 @@
 #   stage 14 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone, served ide-completion at 30 and 60 with
 #                                                     KVSERVE_CASCADE=$CASCADE (run with CASCADE=0, then 1):
 #                                                     the client's table and the decode period by rows
+#   stage 15 carry [".srv", ".dummy-qwen3-8b"]:       work-list decode (kernels/decode_work.py): its GPU tests, its
+#                                                     probe against even splits, then kvserve served at 30 and 60
+#                                                     with KVSERVE_DECODE_WORK=0 and =1 (WORK="1" for one side)
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -57,7 +60,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|14 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|15 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -175,5 +178,19 @@ case $stage in
       | grep -E "^(=|TTFT|ITL|E2E|Request thr)"
     PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$trace" --segments | grep -E "segment|by rows" \
       | tee "$OUT/steps_cascade${on}_rows.txt" ;;
-  *) echo "stage must be 1, 2, 2b or 3 to 14"; exit 2 ;;
+  15)  # work-list decode: its GPU tests and probe, then kvserve served at 30 and 60 with KVSERVE_DECODE_WORK=0, 1
+    PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_decode_work.py 2>&1 | tail -3 \
+      | tee "$OUT/gpu_tests_decode_work.txt"
+    PYTHONPATH=$PWD timeout 120 python3 benchmarks/decode_work_probe.py --batches 24 32 51 112 2>&1 | grep -v -i warn \
+      | tee "$OUT/decode_work_probe.txt"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .srv/*.whl
+    for on in ${WORK:-0 1}; do
+      runs_out=$OUT/work$on; trace=$OUT/steps_work$on.tsv; mkdir -p "$runs_out"
+      OUT=$runs_out KVSERVE_DECODE_WORK=$on KVSERVE_STEP_TRACE=$trace PYTHONPATH=/tmp/site timeout 260 \
+        bash benchmarks/serve_load.sh kvserve "$PWD/.dummy-qwen3-8b" "${RUNS:-ide-completion:30 ide-completion:60}" 2>&1 \
+        | grep -E "^(=|TTFT|ITL|E2E|Request thr)"
+      PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$trace" --segments | grep -E "segment|by rows|gpu span" \
+        | tee "$OUT/steps_work${on}_rows.txt"
+    done ;;
+  *) echo "stage must be 1, 2, 2b or 3 to 15"; exit 2 ;;
 esac

@@ -52,6 +52,9 @@ class AttentionMetadata:
     # Set only on decode steps with KVSERVE_CASCADE=1 (one full-attention KV group): the step's
     # shared-prefix groups (`kernels/cascade.py` CascadePlan), read once a group by the backend.
     cascade: Any = None
+    # Set only in decode graphs with KVSERVE_DECODE_WORK=1: the step's work list
+    # (`kernels/decode_work.py` DecodeWork), rewritten before each replay.
+    decode_work: Any = None
 
     def fresh_key_share(self) -> float:
         """The prompt rows' causal work over their own chunks (about q_len^2 / 2 keys a

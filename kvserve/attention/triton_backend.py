@@ -20,6 +20,7 @@ import triton  # noqa: F401  (an ImportError here keeps the backend unregistered
 from kvserve.attention.backend import AttentionLayerInfo, register_backend
 from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
 from kvserve.attention.kernels.cascade import cascade_decode_attention
+from kvserve.attention.kernels.decode_work import work_decode_attention
 from kvserve.attention.kernels.mixed import short_chunk_bound, takes_tma, tma_gates
 from kvserve.attention.metadata import AttentionMetadata
 
@@ -43,6 +44,8 @@ class TritonAttentionBackend:
             if meta.cascade is not None and window is None and not sink:   # shared prefixes read once
                 return cascade_decode_attention(*args, meta.max_seq_len, layer.scale, meta.cascade,
                                                 new_kv=(k, v, slots))
+            if meta.decode_work is not None and window is None and not sink:   # each sequence its own splits
+                return work_decode_attention(*args, layer.scale, meta.decode_work, new_kv=(k, v, slots))
             return decode_attention(*args, meta.max_seq_len, layer.scale, window, sink,
                                     new_kv=(k, v, slots))
         reshape_and_cache(k, v, kv_cache, slots)

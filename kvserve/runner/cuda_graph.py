@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import logging
 
+import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
@@ -56,7 +57,7 @@ def capture_graph(run, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDA
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, num_groups: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, device: torch.device, cascade: bool = False) -> None:
+                 max_num_seqs: int, device: torch.device, cascade: bool = False, work: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -82,6 +83,13 @@ class DecodeGraphs:
         if cascade:
             from kvserve.attention.kernels.cascade import CascadeBuffers, MAX_GRAPH_GROUPS
             self.cascade = CascadeBuffers(n, MAX_GRAPH_GROUPS, width, device)
+        # Work-list decode (`kernels/decode_work.py`): each graph's list views one buffer, which
+        # `run` rewrites in full from the step's key counts.
+        self.work = None
+        if work and hasattr(model, "local_attention_heads"):   # the Llama family's attention
+            from kvserve.attention.kernels.decode import sm_count
+            self.work_shape = (model.local_attention_heads[1], sm_count(device))
+            self.work = torch.zeros(2 * self._work_capacity(n) + 2 * n, dtype=torch.int32, device=device)
 
     def _meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -91,7 +99,26 @@ class DecodeGraphs:
             slot_mappings=[s[:size] for s in self.slot_mappings],
             max_query_len=1, max_seq_len=max_seq_len,
             query_lens_cpu=[1] * size, seq_lens_cpu=[max_seq_len] * size,
-            cascade=self._cascade_plan(size))
+            cascade=self._cascade_plan(size), decode_work=self._work_views(size))
+
+    def _work_capacity(self, size: int) -> int:
+        from kvserve.attention.kernels.decode_work import capacity
+        return capacity(size, *self.work_shape)
+
+    def _work_views(self, size: int):
+        if self.work is None:
+            return None
+        from kvserve.attention.kernels.decode_work import DecodeWork
+        return DecodeWork.views(self.work, size, self._work_capacity(size))
+
+    def _write_work(self, host_lens, n: int, size: int) -> None:
+        """The step's work list over the graph's: real rows' key counts, padding rows' one key."""
+        from kvserve.attention.kernels.decode_work import plan_work
+        from kvserve.runner.batch import upload
+        keys = np.ones(size, dtype=np.int64)
+        keys[:n] = host_lens[:n]
+        plan = plan_work(keys, *self.work_shape, self._work_capacity(size))
+        self.work[:len(plan)].copy_(upload(torch.from_numpy(plan), self.work.device))
 
     def _cascade_plan(self, size: int):
         if self.cascade is None:
@@ -105,6 +132,8 @@ class DecodeGraphs:
         # Largest first: later graphs reuse its pool.
         for key in [(size, bucket) for size in reversed(self.sizes) for bucket in reversed(self.buckets)]:
             size, bucket = key
+            if self.work is not None:   # a valid list to capture over: one key, one split a row
+                self._write_work(np.ones(size, dtype=np.int64), size, size)
             run = lambda: self.model(self.input_ids[:size], self.positions[:size],  # noqa: E731
                                      self._meta(size, bucket))
             self.graphs[key], self.outputs[key] = capture_graph(run, pool, stream)
@@ -123,14 +152,17 @@ class DecodeGraphs:
 
     def run(self, device_tables: list[torch.Tensor], slots: list[torch.Tensor],
             input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-            max_seq_len: int, cascade: tuple | None = None) -> torch.Tensor:
+            max_seq_len: int, cascade: tuple | None = None, host_lens=None) -> torch.Tensor:
         """Replay for a decode batch; every static buffer row up to the padded size is rewritten.
         `cascade`: the step's shared-prefix groups and its host block table (graphs captured
-        with cascade only; none: every sequence ungrouped)."""
+        with cascade only; none: every sequence ungrouped). `host_lens`: the rows' key counts on
+        the host (graphs captured with a work list)."""
         n = input_ids.shape[0]  # decode: one token per sequence
         size = self.padded_size(n)
         if self.cascade is not None:
             self._write_cascade(cascade, n, size)
+        if self.work is not None:
+            self._write_work(host_lens, n, size)
         bucket = self.buckets[bisect.bisect_left(self.buckets, max_seq_len)]
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()

@@ -74,6 +74,7 @@ class ModelRunner:
     time_steps = False
     # Shared-prefix decode (KVSERVE_CASCADE=1, `_cascade_wanted`); runners of other models keep it off.
     cascade = False
+    decode_work = False   # work-list decode graphs (KVSERVE_DECODE_WORK=1, `_work_wanted`)
     _cascade_last: tuple = (None, [], [])   # the planned step's sampled and scheduled rows, its groups
 
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int,
@@ -101,6 +102,7 @@ class ModelRunner:
         self.drain_above_tokens: int | None = EAGER_DRAIN_TOKENS if device.type == "cuda" else None
         self.drain_after_layers = DRAIN_AFTER_LAYERS
         self.cascade = _cascade_wanted(device, layout, step_channel)
+        self.decode_work = _work_wanted(device, step_channel)
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
@@ -135,7 +137,8 @@ class ModelRunner:
             self.mixed_graphs.capture(pool)
             self.drain_above_tokens = self.mixed_graphs.buckets[-1]
         self.graphs = DecodeGraphs(self.model, self.layout.num_groups, self.layout.block_size,
-                                   max_model_len, max_num_seqs, self.device, cascade=self.cascade)
+                                   max_model_len, max_num_seqs, self.device, cascade=self.cascade,
+                                   work=self.decode_work)
         self.graphs.capture(pool)
 
     def launch(self, out: SchedulerOutput, block_tables: list[torch.Tensor],
@@ -246,10 +249,20 @@ class ModelRunner:
         if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(meta.num_seqs):
             return self.graphs.run(meta.block_tables, meta.slot_mappings,
                                    inputs.input_ids, inputs.positions, meta.seq_lens,
-                                   meta.max_seq_len, inputs.cascade)
+                                   meta.max_seq_len, inputs.cascade,
+                                   inputs.host.seq_lens.numpy() if self.decode_work else None)
         if self.mixed_graphs is not None and not meta.is_decode_only:
             return self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
         return None
+
+
+def _work_wanted(device: torch.device, step_channel) -> bool:
+    """KVSERVE_DECODE_WORK=1 on one GPU (the list is planned on this host, not published to
+    tensor-parallel workers)."""
+    if device.type != "cuda" or step_channel is not None:
+        return False
+    from kvserve.attention.kernels.decode_work import enabled_by_env
+    return enabled_by_env()
 
 
 def _cascade_wanted(device: torch.device, layout: KVLayout, step_channel) -> bool:
