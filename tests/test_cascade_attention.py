@@ -217,9 +217,9 @@ def backend_check(q, cache, table, rows, lens) -> None:
         assert torch.equal(caches[a], caches[b])
 
 
-def fused_write_check(q, cache, table, rows, lens, plan, qsl, expected) -> None:
-    """With new_kv, each sequence's newest key comes from k/v (its cache slot NaN before) and lands
-    in the slot; the output is the same."""
+def holed_newest(cache, rows, lens):
+    """(cache with each sequence's newest slot NaN, that key and value a sequence, the slots):
+    what a fused-write decode gets, with the slots it must fill."""
     page = cache.shape[2]
     slots = torch.tensor([row[(n - 1) // page] * page + (n - 1) % page for row, n in zip(rows, lens)])
     k_new = torch.stack([cache[0, s // page, s % page] for s in slots.tolist()])
@@ -227,6 +227,13 @@ def fused_write_check(q, cache, table, rows, lens, plan, qsl, expected) -> None:
     holed = cache.clone()
     for s in slots.tolist():
         holed[:, s // page, s % page] = float("nan")
+    return holed, k_new, v_new, slots
+
+
+def fused_write_check(q, cache, table, rows, lens, plan, qsl, expected) -> None:
+    """With new_kv, each sequence's newest key comes from k/v (its cache slot NaN before) and lands
+    in the slot; the output is the same."""
+    holed, k_new, v_new, slots = holed_newest(cache, rows, lens)
     out = torch.full_like(q, float("nan"))
     cascade.cascade_decode_attention(q, holed, out, table, qsl, torch.tensor(lens, dtype=torch.int32), max(lens),
                                      0.25, plan, new_kv=(k_new, v_new, slots), prefix_splits=3, config=TILES16)

@@ -10,7 +10,7 @@ import torch
 
 from kvserve.attention.kernels import decode_work as dw
 from kvserve.attention.kernels.decode import DecodeConfig
-from tests.test_cascade_attention import make_case, reference
+from tests.test_cascade_attention import holed_newest, make_case, reference
 from tests.triton_interpreter import run_interpreted
 
 
@@ -72,13 +72,7 @@ def interpreter_checks() -> None:
 
 def fused_write_check(q, cache, table, rows, lens, qsl, seq_lens, expected) -> None:
     """The newest key from k_new/v_new (its cache slot NaN before): the same output, the slot written."""
-    page = cache.shape[2]
-    slots = torch.tensor([row[(n - 1) // page] * page + (n - 1) % page for row, n in zip(rows, lens)])
-    k_new = torch.stack([cache[0, s // page, s % page] for s in slots.tolist()])
-    v_new = torch.stack([cache[1, s // page, s % page] for s in slots.tolist()])
-    holed = cache.clone()
-    for s in slots.tolist():
-        holed[:, s // page, s % page] = float("nan")
+    holed, k_new, v_new, slots = holed_newest(cache, rows, lens)
     out = torch.full_like(q, float("nan"))
     work = dw.device_work(np.array(lens), 2, "cpu", TILES16)
     dw.work_decode_attention(q, holed, out, table, qsl, seq_lens, 0.25, work, config=TILES16,
