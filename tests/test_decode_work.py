@@ -67,6 +67,7 @@ def interpreter_checks() -> None:
     assert ((out.double() - expected).abs().max()).item() < 1e-5
     fused_write_check(q, cache, table, rows, lens, qsl, seq_lens, expected)
     replay_check(q, cache, table, lens, qsl, seq_lens, expected)
+    mixed_rows_check(q, cache, table, lens, seq_lens, expected)
     print("ok", triton.__version__)
 
 
@@ -91,6 +92,27 @@ def replay_check(q, cache, table, lens, qsl, seq_lens, expected) -> None:
     dw.work_decode_attention(q, cache, out, table, qsl, seq_lens, 0.25, dw.DecodeWork.views(buffer, len(lens), cap),
                              config=TILES16)
     assert ((out.double() - expected).abs().max()).item() < 1e-5
+
+
+def mixed_rows_check(q, cache, table, lens, seq_lens, expected) -> None:
+    """A mixed batch (rows 0 and 4 carry three query tokens, the varlen kernel's): the list has
+    items for the one-query rows only; they match the reference, the prompt rows stay NaN."""
+    q_lens = [3, 1, 1, 1, 3, 1, 1]
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    qm = torch.randn(int(starts[-1]), *q.shape[1:])
+    for i, end in enumerate(starts[1:]):
+        qm[end - 1] = q[i]   # each row's last query token is the one at its newest key
+    keys = np.where(np.array(q_lens) == 1, lens, 0)
+    cap = dw.capacity(len(lens), 2, 4, TILES16)
+    work = dw.DecodeWork.views(torch.from_numpy(dw.plan_work(keys, 2, 4, cap, TILES16)), len(lens), cap)
+    out = torch.full_like(qm, float("nan"))
+    dw.work_decode_attention(qm, cache, out, table, torch.tensor(starts, dtype=torch.int32), seq_lens, 0.25, work,
+                             config=TILES16)
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        if q_lens[i] == 1:
+            assert ((out[a].double() - expected[i]).abs().max()).item() < 1e-5, i
+        else:
+            assert torch.isnan(out[a:b]).all(), ("wrote a prompt row", i)
 
 
 def test_work_kernels_under_interpreter():
@@ -154,9 +176,10 @@ def test_the_runner_plans_work_only_where_it_serves(monkeypatch):
 
 @pytest.mark.gpu
 def test_engine_with_work_lists_keeps_greedy_outputs_gpu(tmp_path, monkeypatch):
-    """Prompts of skewed lengths (one of ~900 tokens beside short ones), float32, CUDA graphs:
-    the same tokens with KVSERVE_DECODE_WORK=1 as without, its lists replayed with several
-    splits for the long prompt."""
+    """Prompts of skewed lengths (one of ~900 tokens beside short ones), float32, CUDA graphs,
+    256 tokens a step (the long prompt's chunks run in mixed graphs beside decodes): the same
+    tokens with KVSERVE_DECODE_WORK=1 as without, its lists replayed in decode and mixed graphs,
+    with several splits for the long prompt."""
     from kvserve import LLM, SamplingParams
     from kvserve.attention import triton_backend
     from tests.tiny_models import random_prompts, save_tiny_checkpoint
@@ -168,7 +191,8 @@ def test_engine_with_work_lists_keeps_greedy_outputs_gpu(tmp_path, monkeypatch):
 
     def run(flag: str):
         monkeypatch.setenv(dw.ENV, flag)
-        llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=2048, kv_cache_memory_gb=1, block_size=16)
+        llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=2048, kv_cache_memory_gb=1, block_size=16,
+                  max_num_batched_tokens=256)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
     calls, real = [], triton_backend.work_decode_attention
     monkeypatch.setattr(triton_backend, "work_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -178,5 +202,6 @@ def test_engine_with_work_lists_keeps_greedy_outputs_gpu(tmp_path, monkeypatch):
     assert tokens == plain
     graphs = llm.engine.runner.graphs
     assert calls and sum(graphs.num_replays.values()) > 0
+    assert sum(llm.engine.runner.mixed_graphs.num_replays.values()) > 0
     size = graphs.padded_size(len(prompts))
     assert int(graphs._work_views(size).seq_splits.max()) > 1   # the last replay split the long prompt

@@ -55,7 +55,8 @@ class TritonAttentionBackend:
         return mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink,
                                tiles=meta.prefill_tiles, fresh_kv=fresh_kv, cached_prefixes=cached_prefixes,
                                paged_below=paged_below,
-                               longest_paged=meta.longest_chunk_below(paged_below) if fresh_kv is not None else 0)
+                               longest_paged=meta.longest_chunk_below(paged_below) if fresh_kv is not None else 0,
+                               decode_work=meta.decode_work if window is None and not sink else None)
 
 
 def _takes_fresh_kv(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor,

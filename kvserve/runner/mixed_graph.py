@@ -57,7 +57,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 class MixedGraphs:
     def __init__(self, model: torch.nn.Module, num_groups: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, device: torch.device, work: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -78,6 +78,13 @@ class MixedGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays: dict[int, int] = {}
+        # Work-list decode of the one-query rows (`kernels/decode_work.py`): each graph's list views
+        # one buffer, which `run` rewrites in full from the step's lengths.
+        self.work = None
+        if work and hasattr(model, "local_attention_heads"):   # the Llama family's attention
+            from kvserve.attention.kernels.decode import sm_count
+            self.work_shape = (model.local_attention_heads[1], sm_count(device))
+            self.work = torch.zeros(2 * self._work_capacity(s) + 2 * s, dtype=torch.int32, device=device)
 
     def seq_capacity(self, bucket: int) -> int:
         return min(self.max_num_seqs, bucket)
@@ -108,13 +115,34 @@ class MixedGraphs:
             # Bounds only: the kernels read the tile table and device lengths.
             max_query_len=bucket, max_seq_len=self.max_model_len,
             query_lens_cpu=[], seq_lens_cpu=[],
-            prefill_tiles=PrefillTiles(self.tile_seq[:tiles], self.tile_q[:tiles]))
+            prefill_tiles=PrefillTiles(self.tile_seq[:tiles], self.tile_q[:tiles]),
+            decode_work=self._work_views(s))
+
+    def _work_capacity(self, num_seqs: int) -> int:
+        from kvserve.attention.kernels.decode_work import capacity
+        return capacity(num_seqs, *self.work_shape)
+
+    def _work_views(self, num_seqs: int):
+        if self.work is None:
+            return None
+        from kvserve.attention.kernels.decode_work import DecodeWork
+        return DecodeWork.views(self.work, num_seqs, self._work_capacity(num_seqs))
+
+    def _write_work(self, keys: np.ndarray, capacity: int) -> None:
+        """The one-query rows' work list: `keys` their key counts, 0 for every other row (no item)."""
+        from kvserve.attention.kernels.decode_work import plan_work
+        padded = np.zeros(capacity, dtype=np.int64)
+        padded[:len(keys)] = keys
+        plan = plan_work(padded, *self.work_shape, self._work_capacity(capacity))
+        self.work[:len(plan)].copy_(upload(torch.from_numpy(plan), self.work.device))
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
         """Largest bucket first, so smaller graphs reuse its memory in `pool`."""
         stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
+            if self.work is not None:   # a valid list to capture over: no items
+                self._write_work(np.zeros(0, dtype=np.int64), self.seq_capacity(bucket))
             run = lambda: self.model(self.input_ids[:bucket], self.positions[:bucket],  # noqa: E731
                                      self._meta(bucket))
             self.graphs[bucket], self.outputs[bucket] = capture_graph(run, pool, stream)
@@ -136,6 +164,9 @@ class MixedGraphs:
         self._write_tokens(n, bucket, input_ids, positions, meta.slot_mappings)
         self._write_seqs(s, self.seq_capacity(bucket), n, meta)
         self._write_tiles(tiles, self.tile_capacity(bucket))
+        if self.work is not None:
+            lens, query_lens = np.asarray(meta.seq_lens_cpu), np.asarray(meta.query_lens_cpu)
+            self._write_work(np.where(query_lens == 1, lens, 0), self.seq_capacity(bucket))
         self.graphs[bucket].replay()
         self.num_replays[bucket] = self.num_replays.get(bucket, 0) + 1
         return self.outputs[bucket][:n]

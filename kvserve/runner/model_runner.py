@@ -133,7 +133,7 @@ class ModelRunner:
             from kvserve.runner.mixed_graph import MixedGraphs
             self.mixed_graphs = MixedGraphs(self.model, self.layout.num_groups, self.layout.block_size,
                                             max_model_len, max_num_seqs, max_num_batched_tokens,
-                                            self.device)
+                                            self.device, work=self.decode_work)
             self.mixed_graphs.capture(pool)
             self.drain_above_tokens = self.mixed_graphs.buckets[-1]
         self.graphs = DecodeGraphs(self.model, self.layout.num_groups, self.layout.block_size,

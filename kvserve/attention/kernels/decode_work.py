@@ -20,7 +20,9 @@ partials, laid out [head, item]. Full attention only: a sliding window bounds it
 even splits serve it.
 
 CUDA graphs: `DecodeWork` views one int32 buffer, which the host rewrites whole before each
-replay (`DecodeGraphs`). Entries past the step's items hold sequence -1, and their programs exit.
+replay (`DecodeGraphs`; `MixedGraphs` for its one-query rows, whose even plan is made for the
+graph's sequence capacity and so gives each row one split). Entries past the step's items hold
+sequence -1, and their programs exit.
 Opt-in, `KVSERVE_DECODE_WORK=1`, until timed on a GPU.
 """
 from __future__ import annotations
@@ -41,7 +43,8 @@ MAX_SEQ_SPLITS = 16   # a sequence's splits: the reduce loads them at once
 
 
 def enabled_by_env() -> bool:
-    """KVSERVE_DECODE_WORK=1: decode graphs of full-attention layers run the work list."""
+    """KVSERVE_DECODE_WORK=1: decode graphs and mixed graphs' one-query rows of full-attention
+    layers run the work list."""
     return env_switch(ENV)
 
 
@@ -58,22 +61,24 @@ def plan_work(keys: np.ndarray, num_kv_heads: int, num_sms: int, cap: int,
               config: DecodeConfig = DecodeConfig()) -> np.ndarray:
     """The launch's work list for sequences of `keys` keys each, as one int32 array laid out
     as `DecodeWork` views it: item sequence and item split ([cap] each, sequence -1 past the
-    items), then each sequence's split count and first item ([len(keys)] each)."""
-    keys = np.maximum(np.asarray(keys, dtype=np.int64), 1)
+    items), then each sequence's split count and first item ([len(keys)] each). A sequence of
+    0 keys gets no item and reads as one split, so the reduce leaves it too (a mixed batch's
+    prompt rows, which the varlen kernel writes)."""
+    keys = np.asarray(keys, dtype=np.int64)
     block = config.split_block_n
-    chunk = max(config.min_split_keys, -(-int(keys.sum()) // programs_per_head(num_kv_heads, num_sms, config)))
+    chunk = max(config.min_split_keys, -(-int(keys.clip(0).sum()) // programs_per_head(num_kv_heads, num_sms, config)))
     chunk = -(-chunk // block) * block
-    splits = np.minimum(-(-keys // chunk), MAX_SEQ_SPLITS)
+    splits = np.minimum(-(-keys.clip(0) // chunk), MAX_SEQ_SPLITS)
     while splits.sum() > cap:   # only with a capacity below `capacity`'s
         chunk *= 2
-        splits = np.minimum(-(-keys // chunk), MAX_SEQ_SPLITS)
+        splits = np.minimum(-(-keys.clip(0) // chunk), MAX_SEQ_SPLITS)
     first = np.cumsum(splits) - splits
     items = int(splits.sum())
     work = np.zeros(2 * cap + 2 * len(keys), dtype=np.int32)
     work[:cap] = -1
     work[:items] = np.repeat(np.arange(len(keys)), splits)
     work[cap:cap + items] = np.arange(items) - np.repeat(first, splits)
-    work[2 * cap:2 * cap + len(keys)] = splits
+    work[2 * cap:2 * cap + len(keys)] = np.maximum(splits, 1)
     work[2 * cap + len(keys):] = first
     return work
 

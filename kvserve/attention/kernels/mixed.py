@@ -21,6 +21,7 @@ import torch
 
 from kvserve.attention.kernels.common import optional_gluon_module
 from kvserve.attention.kernels.decode import decode_attention
+from kvserve.attention.kernels.decode_work import work_decode_attention
 from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
 from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
 from kvserve.attention.metadata import PrefillTiles
@@ -118,7 +119,7 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     prefill_config: PrefillConfig = PrefillConfig(),
                     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     cached_prefixes: bool = True, paged_below: int = 0,
-                    longest_paged: int = 0) -> torch.Tensor:
+                    longest_paged: int = 0, decode_work=None) -> torch.Tensor:
     """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
     longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
     are built for `prefill_config`'s query tile. Without tiles and a config of
@@ -127,9 +128,13 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     LARGE_TILES. `cached_prefixes=False` (no prompt row has a cached prefix) lets the TMA
     path run its kernel without the prefix loop. On the TMA path, prompt chunks shorter than
     `paged_below` take the paged kernel instead (`longest_paged`: the longest of them; 0:
-    none, one launch)."""
-    decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, max_seq_len,
-                     scale, window, sink, single_only=True)
+    none, one launch). `decode_work`: the one-query rows' work list (`decode_work.py`; full
+    attention only), else the decode kernel's even splits."""
+    if decode_work is not None:
+        work_decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, scale, decode_work)
+    else:
+        decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, max_seq_len,
+                         scale, window, sink, single_only=True)
     eager_default = tiles is None and prefill_config == PrefillConfig()
     if eager_default and fresh_kv is not None and takes_tma(q.shape[0], q.shape[-1], window) \
             and supports_tma(q, *fresh_kv, kv_cache):
