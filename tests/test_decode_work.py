@@ -204,4 +204,26 @@ def test_engine_with_work_lists_keeps_greedy_outputs_gpu(tmp_path, monkeypatch):
     assert calls and sum(graphs.num_replays.values()) > 0
     assert sum(llm.engine.runner.mixed_graphs.num_replays.values()) > 0
     size = graphs.padded_size(len(prompts))
-    assert int(graphs._work_views(size).seq_splits.max()) > 1   # the last replay split the long prompt
+    assert int(graphs.work.views(size).seq_splits.max()) > 1   # the last replay split the long prompt
+
+
+def test_graph_work_lists_rewrite_every_slot_a_graph_reads():
+    """The runner's buffer (`WorkLists`, CPU here): a 16-row graph's list after a 32-row one's
+    matches a fresh plan in every slot the 16-row views read; a mixed graph's prompt rows get no
+    item and read as one split."""
+    from kvserve.runner.cuda_graph import WorkLists
+
+    class Model:   # one KV head: 16 programs a head on the interpreter's 4 "SMs", so 2,600 keys split
+        local_attention_heads = (4, 1)
+    work = WorkLists.for_model(Model(), 32, torch.device("cpu"))
+    assert WorkLists.for_model(object(), 32, torch.device("cpu")) is None
+    work.write(np.full(32, 5000), 32)
+    keys = np.array([2600] + [300] * 10 + [1] * 5)
+    work.write(keys, 16)
+    views, fresh = work.views(16), dw.plan_work(keys, 1, 4, work.capacity(16))
+    got = torch.cat([views.item_seq, views.item_split, views.seq_splits, views.seq_first]).numpy()
+    assert (got == fresh).all() and int(views.seq_splits[0]) > int(views.seq_splits[1]) >= 1
+    work.write(np.where(np.arange(16) % 2 == 0, keys, 0), 16)   # odd rows: a mixed step's prompt rows
+    views = work.views(16)
+    listed = set(views.item_seq[views.item_seq >= 0].tolist())
+    assert listed == set(range(0, 16, 2)) and (views.seq_splits[1::2] == 1).all()

@@ -55,6 +55,38 @@ def capture_graph(run, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDA
     return graph, output
 
 
+class WorkLists:
+    """The work-list decode's buffer for a kind of graph (`kernels/decode_work.py`): every graph's
+    `DecodeWork` views it at its own sequence count, and each replay rewrites it in full."""
+
+    def __init__(self, num_kv_heads: int, num_sms: int, max_seqs: int, device: torch.device) -> None:
+        self.shape = (num_kv_heads, num_sms)
+        self.buffer = torch.zeros(2 * self.capacity(max_seqs) + 2 * max_seqs, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def for_model(model: torch.nn.Module, max_seqs: int, device: torch.device) -> "WorkLists | None":
+        """None for a model whose attention the work list does not serve (outside the Llama family)."""
+        if not hasattr(model, "local_attention_heads"):
+            return None
+        from kvserve.attention.kernels.decode import sm_count
+        return WorkLists(model.local_attention_heads[1], sm_count(device), max_seqs, device)
+
+    def capacity(self, num_seqs: int) -> int:
+        from kvserve.attention.kernels.decode_work import capacity
+        return capacity(num_seqs, *self.shape)
+
+    def views(self, num_seqs: int):
+        from kvserve.attention.kernels.decode_work import DecodeWork
+        return DecodeWork.views(self.buffer, num_seqs, self.capacity(num_seqs))
+
+    def write(self, keys: np.ndarray, num_seqs: int) -> None:
+        """The list for rows of `keys` keys (0: no item) over the graph of `num_seqs` rows."""
+        from kvserve.attention.kernels.decode_work import plan_work
+        from kvserve.runner.batch import upload
+        plan = plan_work(keys, *self.shape, self.capacity(num_seqs))
+        self.buffer[:len(plan)].copy_(upload(torch.from_numpy(plan), self.buffer.device))
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, num_groups: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, device: torch.device, cascade: bool = False, work: bool = False) -> None:
@@ -83,13 +115,8 @@ class DecodeGraphs:
         if cascade:
             from kvserve.attention.kernels.cascade import CascadeBuffers, MAX_GRAPH_GROUPS
             self.cascade = CascadeBuffers(n, MAX_GRAPH_GROUPS, width, device)
-        # Work-list decode (`kernels/decode_work.py`): each graph's list views one buffer, which
-        # `run` rewrites in full from the step's key counts.
-        self.work = None
-        if work and hasattr(model, "local_attention_heads"):   # the Llama family's attention
-            from kvserve.attention.kernels.decode import sm_count
-            self.work_shape = (model.local_attention_heads[1], sm_count(device))
-            self.work = torch.zeros(2 * self._work_capacity(n) + 2 * n, dtype=torch.int32, device=device)
+        # Work-list decode (`kernels/decode_work.py`), rewritten by `run` from the step's key counts.
+        self.work = WorkLists.for_model(model, n, device) if work else None
 
     def _meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -99,26 +126,7 @@ class DecodeGraphs:
             slot_mappings=[s[:size] for s in self.slot_mappings],
             max_query_len=1, max_seq_len=max_seq_len,
             query_lens_cpu=[1] * size, seq_lens_cpu=[max_seq_len] * size,
-            cascade=self._cascade_plan(size), decode_work=self._work_views(size))
-
-    def _work_capacity(self, size: int) -> int:
-        from kvserve.attention.kernels.decode_work import capacity
-        return capacity(size, *self.work_shape)
-
-    def _work_views(self, size: int):
-        if self.work is None:
-            return None
-        from kvserve.attention.kernels.decode_work import DecodeWork
-        return DecodeWork.views(self.work, size, self._work_capacity(size))
-
-    def _write_work(self, host_lens, n: int, size: int) -> None:
-        """The step's work list over the graph's: real rows' key counts, padding rows' one key."""
-        from kvserve.attention.kernels.decode_work import plan_work
-        from kvserve.runner.batch import upload
-        keys = np.ones(size, dtype=np.int64)
-        keys[:n] = host_lens[:n]
-        plan = plan_work(keys, *self.work_shape, self._work_capacity(size))
-        self.work[:len(plan)].copy_(upload(torch.from_numpy(plan), self.work.device))
+            cascade=self._cascade_plan(size), decode_work=self.work and self.work.views(size))
 
     def _cascade_plan(self, size: int):
         if self.cascade is None:
@@ -133,7 +141,7 @@ class DecodeGraphs:
         for key in [(size, bucket) for size in reversed(self.sizes) for bucket in reversed(self.buckets)]:
             size, bucket = key
             if self.work is not None:   # a valid list to capture over: one key, one split a row
-                self._write_work(np.ones(size, dtype=np.int64), size, size)
+                self.work.write(np.ones(size, dtype=np.int64), size)
             run = lambda: self.model(self.input_ids[:size], self.positions[:size],  # noqa: E731
                                      self._meta(size, bucket))
             self.graphs[key], self.outputs[key] = capture_graph(run, pool, stream)
@@ -161,8 +169,8 @@ class DecodeGraphs:
         size = self.padded_size(n)
         if self.cascade is not None:
             self._write_cascade(cascade, n, size)
-        if self.work is not None:
-            self._write_work(host_lens, n, size)
+        if self.work is not None:   # padding rows: one key each
+            self.work.write(np.concatenate([host_lens[:n], np.ones(size - n, dtype=np.int64)]), size)
         bucket = self.buckets[bisect.bisect_left(self.buckets, max_seq_len)]
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()

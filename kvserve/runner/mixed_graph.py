@@ -28,7 +28,7 @@ import torch
 from kvserve.attention.kernels.prefill import PrefillConfig, tile_table
 from kvserve.attention.metadata import AttentionMetadata, PrefillTiles
 from kvserve.runner.batch import upload
-from kvserve.runner.cuda_graph import capture_graph
+from kvserve.runner.cuda_graph import WorkLists, capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +78,8 @@ class MixedGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays: dict[int, int] = {}
-        # Work-list decode of the one-query rows (`kernels/decode_work.py`): each graph's list views
-        # one buffer, which `run` rewrites in full from the step's lengths.
-        self.work = None
-        if work and hasattr(model, "local_attention_heads"):   # the Llama family's attention
-            from kvserve.attention.kernels.decode import sm_count
-            self.work_shape = (model.local_attention_heads[1], sm_count(device))
-            self.work = torch.zeros(2 * self._work_capacity(s) + 2 * s, dtype=torch.int32, device=device)
+        # Work-list decode of the one-query rows (`kernels/decode_work.py`), rewritten by `run`.
+        self.work = WorkLists.for_model(model, s, device) if work else None
 
     def seq_capacity(self, bucket: int) -> int:
         return min(self.max_num_seqs, bucket)
@@ -116,25 +111,7 @@ class MixedGraphs:
             max_query_len=bucket, max_seq_len=self.max_model_len,
             query_lens_cpu=[], seq_lens_cpu=[],
             prefill_tiles=PrefillTiles(self.tile_seq[:tiles], self.tile_q[:tiles]),
-            decode_work=self._work_views(s))
-
-    def _work_capacity(self, num_seqs: int) -> int:
-        from kvserve.attention.kernels.decode_work import capacity
-        return capacity(num_seqs, *self.work_shape)
-
-    def _work_views(self, num_seqs: int):
-        if self.work is None:
-            return None
-        from kvserve.attention.kernels.decode_work import DecodeWork
-        return DecodeWork.views(self.work, num_seqs, self._work_capacity(num_seqs))
-
-    def _write_work(self, keys: np.ndarray, capacity: int) -> None:
-        """The one-query rows' work list: `keys` their key counts, 0 for every other row (no item)."""
-        from kvserve.attention.kernels.decode_work import plan_work
-        padded = np.zeros(capacity, dtype=np.int64)
-        padded[:len(keys)] = keys
-        plan = plan_work(padded, *self.work_shape, self._work_capacity(capacity))
-        self.work[:len(plan)].copy_(upload(torch.from_numpy(plan), self.work.device))
+            decode_work=self.work and self.work.views(s))
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
@@ -142,7 +119,7 @@ class MixedGraphs:
         stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
             if self.work is not None:   # a valid list to capture over: no items
-                self._write_work(np.zeros(0, dtype=np.int64), self.seq_capacity(bucket))
+                self.work.write(np.zeros(self.seq_capacity(bucket), dtype=np.int64), self.seq_capacity(bucket))
             run = lambda: self.model(self.input_ids[:bucket], self.positions[:bucket],  # noqa: E731
                                      self._meta(bucket))
             self.graphs[bucket], self.outputs[bucket] = capture_graph(run, pool, stream)
@@ -164,9 +141,11 @@ class MixedGraphs:
         self._write_tokens(n, bucket, input_ids, positions, meta.slot_mappings)
         self._write_seqs(s, self.seq_capacity(bucket), n, meta)
         self._write_tiles(tiles, self.tile_capacity(bucket))
-        if self.work is not None:
-            lens, query_lens = np.asarray(meta.seq_lens_cpu), np.asarray(meta.query_lens_cpu)
-            self._write_work(np.where(query_lens == 1, lens, 0), self.seq_capacity(bucket))
+        if self.work is not None:   # items for the one-query rows only
+            capacity = self.seq_capacity(bucket)
+            keys = np.zeros(capacity, dtype=np.int64)
+            keys[:s] = np.where(np.asarray(meta.query_lens_cpu) == 1, meta.seq_lens_cpu, 0)
+            self.work.write(keys, capacity)
         self.graphs[bucket].replay()
         self.num_replays[bucket] = self.num_replays.get(bucket, 0) + 1
         return self.outputs[bucket][:n]
