@@ -14,6 +14,7 @@ decoded tokens). Each case: both checked against each other, then timed with
 do_bench_cudagraph (the list planned and uploaded outside the timing; its host time apart).
 
     python3 benchmarks/decode_work_probe.py [--batches 24 32 51 112]
+    python3 benchmarks/decode_work_probe.py --plan-host --batches 24 51 256   # the host's list per replay, no GPU
 """
 from __future__ import annotations
 
@@ -79,13 +80,36 @@ def case(n: int, contexts: str):
     return q, block_table(owners, lens, prefix_of, rows), query_start_loc, seq_lens, host_lens, sum(lens)
 
 
+def plan_host(batches: list[int], repeats: int = 2000) -> None:
+    """What a decode graph's replay adds on the host (`WorkLists.write`: `plan_work` and the
+    buffer's rewrite), at the workload's contexts, on this machine's device (a CPU one here)."""
+    from kvserve.runner.cuda_graph import WorkLists
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for n in batches:
+        size = -(-n // 8) * 8
+        keys = np.array(ide_lengths(n)[1] + [1] * (size - n))
+        lists = WorkLists(KV_HEADS, 132, size, device)
+        cap = lists.capacity(size)
+        timings = []
+        for fn in (lambda: decode_work.plan_work(keys, KV_HEADS, 132, cap), lambda: lists.write(keys, size)):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            timings.append((time.perf_counter() - t0) / repeats * 1e6)
+        print(f"N {n:4d} (graph {size}, 132 SMs)  plan_work {timings[0]:6.1f} us  plan + buffer write {timings[1]:6.1f} us")
+
+
 def main() -> None:
-    import triton.testing
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[24, 32, 51, 112])
     parser.add_argument("--pool-gb", type=int, default=4)
     parser.add_argument("--cases", nargs="+", default=["equal", "ide"])
+    parser.add_argument("--plan-host", action="store_true")
     args = parser.parse_args()
+    if args.plan_host:
+        return plan_host(args.batches)
+    import triton.testing
     global POOL_BLOCKS
     POOL_BLOCKS = (args.pool_gb << 30) // BLOCK_BYTES
     torch.manual_seed(0)
