@@ -44,6 +44,8 @@ def test_plan_respects_a_small_capacity_and_the_split_cap():
     assert splits.sum() <= 5 and (seq[:splits.sum()] >= 0).all()
     work = dw.plan_work(np.array([60000]), 1, 1000, cap=dw.capacity(1, 1, 1000))
     assert items_of(work, 1, dw.capacity(1, 1, 1000))[2][0] == dw.MAX_SEQ_SPLITS
+    with pytest.raises(ValueError, match="capacity 2 cannot hold 3 sequences"):
+        dw.plan_work(np.array([10, 0, 10, 10]), 8, 132, cap=2)
 
 
 TILES16 = DecodeConfig(block_n=16, split_block_n=16, min_split_keys=16)

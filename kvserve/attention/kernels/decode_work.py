@@ -64,23 +64,31 @@ def plan_work(keys: np.ndarray, num_kv_heads: int, num_sms: int, cap: int,
     items), then each sequence's split count and first item ([len(keys)] each). A sequence of
     0 keys gets no item and reads as one split, so the reduce leaves it too (a mixed batch's
     prompt rows, which the varlen kernel writes)."""
-    keys = np.asarray(keys, dtype=np.int64)
-    block = config.split_block_n
-    chunk = max(config.min_split_keys, -(-int(keys.clip(0).sum()) // programs_per_head(num_kv_heads, num_sms, config)))
-    chunk = -(-chunk // block) * block
-    splits = np.minimum(-(-keys.clip(0) // chunk), MAX_SEQ_SPLITS)
-    while splits.sum() > cap:   # only with a capacity below `capacity`'s
-        chunk *= 2
-        splits = np.minimum(-(-keys.clip(0) // chunk), MAX_SEQ_SPLITS)
+    splits = split_counts(np.asarray(keys, dtype=np.int64).clip(0), num_kv_heads, num_sms, cap, config)
     first = np.cumsum(splits) - splits
     items = int(splits.sum())
-    work = np.zeros(2 * cap + 2 * len(keys), dtype=np.int32)
+    work = np.zeros(2 * cap + 2 * len(splits), dtype=np.int32)
     work[:cap] = -1
-    work[:items] = np.repeat(np.arange(len(keys)), splits)
+    work[:items] = np.repeat(np.arange(len(splits)), splits)
     work[cap:cap + items] = np.arange(items) - np.repeat(first, splits)
-    work[2 * cap:2 * cap + len(keys)] = np.maximum(splits, 1)
-    work[2 * cap + len(keys):] = first
+    work[2 * cap:2 * cap + len(splits)] = np.maximum(splits, 1)
+    work[2 * cap + len(splits):] = first
     return work
+
+
+def split_counts(keys: np.ndarray, num_kv_heads: int, num_sms: int, cap: int, config: DecodeConfig) -> np.ndarray:
+    """Each sequence's splits: as many as its keys fill chunks of the launch's one length (its
+    keys over the programs a KV head, at least min_split_keys, whole tiles), at most
+    MAX_SEQ_SPLITS, and no more items in all than `cap` (longer chunks until they fit)."""
+    if cap < np.count_nonzero(keys):
+        raise ValueError(f"a work list of capacity {cap} cannot hold {np.count_nonzero(keys)} sequences")
+    chunk = max(config.min_split_keys, -(-int(keys.sum()) // programs_per_head(num_kv_heads, num_sms, config)))
+    chunk = -(-chunk // config.split_block_n) * config.split_block_n
+    while True:
+        splits = np.minimum(-(-keys // chunk), MAX_SEQ_SPLITS)
+        if splits.sum() <= cap:   # always, at `capacity`'s cap
+            return splits
+        chunk *= 2
 
 
 @dataclass(frozen=True)
