@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import dot_precision, env_switch, split_range, store_split
+from kvserve.attention.kernels.common import dot_precision, env_switch, group_queries, split_range, store_split
 from kvserve.attention.kernels.decode import (LOG2E, DecodeConfig, _attend_and_store_newest, _attend_cached,
                                               _decode_reduce_kernel, plan_splits, sm_count)
 
@@ -222,12 +222,8 @@ def _suffix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, 
     split = tl.program_id(2)
     skip = tl.load(skip_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    rows = tl.arange(0, BLOCK_G)
-    row_valid = rows < GROUP
-    head = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_valid[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+    q, head, row_valid = group_queries(q_ptr, token, kv_head, stride_qt, stride_qh, k_cache_ptr,
+                                       GROUP, BLOCK_G, HEAD_DIM)
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end = split_range(seq_len - skip, split, SUFFIX_SPLITS, BLOCK_N)
     start, end = skip + start, skip + end
@@ -250,7 +246,7 @@ def _suffix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, 
         for p in tl.static_range(PREFIX_SPLITS):
             part_row = (seq * NUM_HEADS + head).to(tl.int64) * num_parts + SUFFIX_SPLITS + p
             tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=row_valid)
-            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
+            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
                      tl.zeros([BLOCK_G, HEAD_DIM], tl.float32), mask=row_valid[:, None])
 
 

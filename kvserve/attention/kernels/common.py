@@ -57,6 +57,20 @@ def visible_range(first_pos, window, sink, SLIDING: tl.constexpr):
 
 
 @triton.jit
+def group_queries(q_ptr, token, kv_head, stride_qt, stride_qh, cache_ptr, GROUP: tl.constexpr,
+                  BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A decode query's GROUP heads that share `kv_head`, as the BLOCK_G rows of a tl.dot in the
+    cache's dtype (rows past GROUP zero): (q, their head indices, row validity)."""
+    rows = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    return q.to(cache_ptr.dtype.element_ty), head, row_valid
+
+
+@triton.jit
 def split_range(num_keys, split, num_splits, BLOCK_N: tl.constexpr):
     """[start, end) of this split's keys (virtual indices). Each program
     divides its own keys evenly over the splits: the grid is planned for the

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import (dot_precision, merge_splits, online_softmax_tile,
+from kvserve.attention.kernels.common import (dot_precision, group_queries, merge_splits, online_softmax_tile,
                                               score_tile, split_range, store_split, visible_range)
 
 LOG2E = 1.4426950408889634
@@ -142,14 +142,8 @@ def _decode_split_kernel(
     lo, sink_end = visible_range(seq_len - 1, window, sink, SLIDING)
     num_keys = sink_end + seq_len - lo
     start, end = split_range(num_keys, split, num_splits, BLOCK_N)
-
-    rows = tl.arange(0, BLOCK_G)
-    head = kv_head * GROUP + rows
-    row_valid = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    q, head, row_valid = group_queries(q_ptr, token, kv_head, stride_qt, stride_qh, k_cache_ptr,
+                                       GROUP, BLOCK_G, HEAD_DIM)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head * stride_cache_head
     # The newest key (virtual index num_keys - 1) is this step's own token.

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kernels.common import dot_precision, env_switch, merge_splits, split_range, store_split
+from kvserve.attention.kernels.common import (dot_precision, env_switch, group_queries, merge_splits, split_range,
+                                              store_split)
 from kvserve.attention.kernels.decode import (LOG2E, DecodeConfig, _attend_and_store_newest, _attend_cached,
                                               sm_count)
 
@@ -129,12 +130,8 @@ def _work_kernel(
     num_keys = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     start, end = split_range(num_keys, split, num_splits, BLOCK_N)
-    rows = tl.arange(0, BLOCK_G)
-    head = kv_head * GROUP + rows
-    row_valid = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_valid[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+    q, head, row_valid = group_queries(q_ptr, token, kv_head, stride_qt, stride_qh, k_cache_ptr,
+                                       GROUP, BLOCK_G, HEAD_DIM)
     kv_head_offset = kv_head * stride_cache_head
     newest = num_keys - 1   # with WRITE_NEW the step's own key comes from k_new (decode.py)
     cached_end = end
