@@ -178,11 +178,13 @@ case $stage in
       | grep -E "^(=|TTFT|ITL|E2E|Request thr)"
     PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$trace" --segments | grep -E "segment|by rows" \
       | tee "$OUT/steps_cascade${on}_rows.txt" ;;
-  15)  # work-list decode: its GPU tests and probe, then kvserve served at 30 and 60 with KVSERVE_DECODE_WORK=0, 1
-    PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_decode_work.py 2>&1 | tail -3 \
-      | tee "$OUT/gpu_tests_decode_work.txt"
-    PYTHONPATH=$PWD timeout 120 python3 benchmarks/decode_work_probe.py --batches 24 32 51 112 2>&1 | grep -v -i warn \
-      | tee "$OUT/decode_work_probe.txt"
+  15)  # work-list decode: its GPU tests and probe (PROBE=0 skips them), then kvserve served with KVSERVE_DECODE_WORK=${WORK:-0 1}
+    if [ "${PROBE:-1}" = 1 ]; then
+      PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_decode_work.py 2>&1 | tail -3 \
+        | tee "$OUT/gpu_tests_decode_work.txt"
+      PYTHONPATH=$PWD timeout 120 python3 benchmarks/decode_work_probe.py --batches 24 32 51 112 2>&1 | grep -v -i warn \
+        | tee "$OUT/decode_work_probe.txt"
+    fi
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .srv/*.whl
     for on in ${WORK:-0 1}; do
       runs_out=$OUT/work$on; trace=$OUT/steps_work$on.tsv; mkdir -p "$runs_out"

@@ -162,10 +162,12 @@ def test_work_matches_the_decode_kernel_gpu(contexts):
 
 
 def test_the_runner_plans_work_only_where_it_serves(monkeypatch):
-    """KVSERVE_DECODE_WORK=1 on CUDA without tensor parallelism; never otherwise."""
+    """On CUDA without tensor parallelism unless KVSERVE_DECODE_WORK=0; never otherwise."""
     from kvserve.runner.model_runner import _work_wanted
     cuda = torch.device("cuda")
     monkeypatch.delenv(dw.ENV, raising=False)
+    assert _work_wanted(cuda, None)
+    monkeypatch.setenv(dw.ENV, "0")
     assert not _work_wanted(cuda, None)
     monkeypatch.setenv(dw.ENV, "1")
     assert _work_wanted(cuda, None)

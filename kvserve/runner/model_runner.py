@@ -74,7 +74,7 @@ class ModelRunner:
     time_steps = False
     # Shared-prefix decode (KVSERVE_CASCADE=1, `_cascade_wanted`); runners of other models keep it off.
     cascade = False
-    decode_work = False   # work-list decode graphs (KVSERVE_DECODE_WORK=1, `_work_wanted`)
+    decode_work = False   # work-list decode graphs (`_work_wanted`; KVSERVE_DECODE_WORK=0 turns them off)
     _cascade_last: tuple = (None, [], [])   # the planned step's sampled and scheduled rows, its groups
 
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device: torch.device, seed: int,
@@ -257,7 +257,7 @@ class ModelRunner:
 
 
 def _work_wanted(device: torch.device, step_channel) -> bool:
-    """KVSERVE_DECODE_WORK=1 on one GPU (the list is planned on this host, not published to
+    """On one GPU unless KVSERVE_DECODE_WORK=0 (the list is planned on this host, not published to
     tensor-parallel workers)."""
     if device.type != "cuda" or step_channel is not None:
         return False

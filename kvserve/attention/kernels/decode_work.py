@@ -23,7 +23,7 @@ CUDA graphs: `DecodeWork` views one int32 buffer, which the host rewrites whole 
 replay (`DecodeGraphs`; `MixedGraphs` for its one-query rows, whose even plan is made for the
 graph's sequence capacity and so gives each row one split). Entries past the step's items hold
 sequence -1, and their programs exit.
-Opt-in, `KVSERVE_DECODE_WORK=1`, until timed on a GPU.
+On by default; `KVSERVE_DECODE_WORK=0` keeps the even split (decode.py).
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ MAX_SEQ_SPLITS = 16   # a sequence's splits: the reduce loads them at once
 
 
 def enabled_by_env() -> bool:
-    """KVSERVE_DECODE_WORK=1: decode graphs and mixed graphs' one-query rows of full-attention
-    layers run the work list."""
-    return env_switch(ENV)
+    """On unless KVSERVE_DECODE_WORK=0: decode graphs and mixed graphs' one-query rows of
+    full-attention layers run the work list."""
+    return env_switch(ENV, default=True)
 
 
 def programs_per_head(num_kv_heads: int, num_sms: int, config: DecodeConfig = DecodeConfig()) -> int:
