@@ -52,7 +52,7 @@ class AttentionMetadata:
     # Set only on decode steps with KVSERVE_CASCADE=1 (one full-attention KV group): the step's
     # shared-prefix groups (`kernels/cascade.py` CascadePlan), read once a group by the backend.
     cascade: Any = None
-    # Set only in decode and mixed graphs with KVSERVE_DECODE_WORK=1: the step's work list
+    # Set only in decode and mixed graphs (unless KVSERVE_DECODE_WORK=0): the step's work list
     # (`kernels/decode_work.py` DecodeWork; a mixed step's one-query rows), rewritten before each replay.
     decode_work: Any = None
 
