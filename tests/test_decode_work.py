@@ -211,6 +211,31 @@ def test_engine_with_work_lists_keeps_greedy_outputs_gpu(tmp_path, monkeypatch):
     assert int(graphs.work.views(size).seq_splits.max()) > 1   # the last replay split the long prompt
 
 
+def test_graph_work_lists_skip_only_rewrites_that_change_nothing(monkeypatch):
+    """`WorkLists.write` leaves the buffer when the list would be the one it holds: after every
+    write of a decode streak (keys + 1 a step, the split counts mostly unchanged), of another
+    graph size between, and of rows whose splits are the held ones reordered, the buffer equals
+    a fresh plan, and most of the streak's writes were skipped."""
+    from kvserve.runner.cuda_graph import WorkLists
+
+    class Model:   # one KV head on 4 "SMs": 16 programs a head
+        local_attention_heads = (4, 1)
+    work = WorkLists.for_model(Model(), 32, torch.device("cpu"))
+    layouts, real = [], dw.work_layout
+    monkeypatch.setattr(dw, "work_layout", lambda *a: layouts.append(1) or real(*a))
+    rng = np.random.default_rng(3)
+    base = rng.integers(1, 3000, 16)
+    steps = [(base + i, 16) for i in range(40)]
+    steps[20:20] = [(rng.integers(1, 3000, 32), 32)]
+    steps += [(base[::-1] + 39, 16), (base + 39, 16)]   # the same splits in another order, then back
+    for keys, n in steps:
+        work.write(keys, n)
+        cap = work.capacity(n)
+        views, fresh = work.views(n), real(dw.plan_splits(keys, 1, 4, cap), cap)
+        assert (torch.cat([views.item_seq, views.item_split, views.seq_splits, views.seq_first]).numpy() == fresh).all()
+    assert 4 <= len(layouts) < len(steps) // 2
+
+
 def test_graph_work_lists_rewrite_every_slot_a_graph_reads():
     """The runner's buffer (`WorkLists`, CPU here): a 16-row graph's list after a 32-row one's
     matches a fresh plan in every slot the 16-row views read; a mixed graph's prompt rows get no

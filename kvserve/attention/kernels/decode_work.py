@@ -65,7 +65,18 @@ def plan_work(keys: np.ndarray, num_kv_heads: int, num_sms: int, cap: int,
     items), then each sequence's split count and first item ([len(keys)] each). A sequence of
     0 keys gets no item and reads as one split, so the reduce leaves it too (a mixed batch's
     prompt rows, which the varlen kernel writes)."""
-    splits = split_counts(np.asarray(keys, dtype=np.int64).clip(0), num_kv_heads, num_sms, cap, config)
+    return work_layout(plan_splits(keys, num_kv_heads, num_sms, cap, config), cap)
+
+
+def plan_splits(keys: np.ndarray, num_kv_heads: int, num_sms: int, cap: int,
+                config: DecodeConfig = DecodeConfig()) -> np.ndarray:
+    """`plan_work`'s split count a sequence (`split_counts` of the keys, negatives as 0)."""
+    return split_counts(np.asarray(keys, dtype=np.int64).clip(0), num_kv_heads, num_sms, cap, config)
+
+
+def work_layout(splits: np.ndarray, cap: int) -> np.ndarray:
+    """`plan_work`'s array for sequences of `splits` splits each (0: no item): it depends on
+    these two alone, so a caller holding the list of equal ones need not rewrite it."""
     first = np.cumsum(splits) - splits
     items = int(splits.sum())
     work = np.zeros(2 * cap + 2 * len(splits), dtype=np.int32)
