@@ -305,11 +305,14 @@ class Shape:
         return None if err < ATTN_TOL else f"rel err {err:.2e}"
 
 
-def bench_shape(shape: Shape, quick: bool, no_attention_grid: bool = False) -> dict:
-    """Every variant of every kernel on one shape; returns the path timings."""
+def bench_shape(shape: Shape, quick: bool, no_attention_grid: bool = False, path_only: bool = False) -> dict:
+    """Every variant of every kernel on one shape (`path_only`: the default configs alone, each
+    checked, then the default path); returns the path timings."""
     p, b, c = shape.pages, shape.batch, shape.context
     p.index_scores()  # the real scores and indices first: the checks of later kernels read them
     p.top_k()
+    if path_only:
+        return default_path(shape)
     for config in score_grid(quick):
         shape._time("scores", config, lambda: p.index_scores(config), shape.check_scores, score_bytes(b, c))
     p.index_scores()
@@ -333,6 +336,20 @@ def bench_shape(shape: Shape, quick: bool, no_attention_grid: bool = False) -> d
         timings[name] = ms
         print(f"  {shape.tag:16s} path {name:7s} {1e3 * ms:8.1f} us {_rate(csa_bytes(b, c), ms, shape.copy_gbs)}")
     return timings
+
+
+def default_path(shape: Shape) -> dict:
+    """The default configs' kernels checked and timed one by one, then the path they make."""
+    p, b, c = shape.pages, shape.batch, shape.context
+    shape._time("scores", None, p.index_scores, shape.check_scores, score_bytes(b, c))
+    p.index_scores()
+    shape._time("top-k", None, p.top_k, shape.check_top_k, 0)
+    p.top_k()
+    shape._time("attention", None, lambda: p.attend("csa"), lambda run: shape.check_attention("csa", run),
+                csa_bytes(b, c, False))
+    ms = _ms(lambda: p.csa_step(PathConfigs()))
+    print(f"  {shape.tag:16s} path default {1e3 * ms:8.1f} us {_rate(csa_bytes(b, c), ms, shape.copy_gbs)}")
+    return {"old": float("nan"), "default": ms, "best": ms}
 
 
 def best_table(rows: list[tuple[Shape, dict]], copy_gbs: float) -> None:
@@ -428,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="32K only, batch 64 and 256, a few variants each")
     parser.add_argument("--no-extras", action="store_true", help="skip the compressor and prefill-chunk timings")
     parser.add_argument("--no-attention-grid", action="store_true", help="attention: the old and default configs only")
+    parser.add_argument("--path-only", action="store_true",
+                        help="each shape's default kernels (checked) and default path alone: no config grids")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--prefill-context", type=int, default=32768)
     args = parser.parse_args(argv)
@@ -442,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     for context in contexts:
         for batch in batches:
             shape = Shape(batch, context, args.block_size, copy_gbs)
-            rows.append((shape, bench_shape(shape, args.quick, args.no_attention_grid)))
+            rows.append((shape, bench_shape(shape, args.quick, args.no_attention_grid, args.path_only)))
             shape.pages = shape.ref = None
             for kind in ("csa", "hca"):
                 shape.__dict__.pop(f"ref_{kind}", None)

@@ -43,7 +43,7 @@
 #                                                     prefixes (step_diagnostics ide24prof, ide24solo)
 #   stage 12 (no carry needed):                       DeepSeek V4's Gluon sparse decode kernel: its GPU tests
 #                                                     (tests/test_v4_sparse_gluon.py), then the decode path
-#                                                     (v4_kernel_bench.py) with KVSERVE_GLUON_SPARSE=0 and =1
+#                                                     (v4_kernel_bench.py --path-only: the default configs alone) with KVSERVE_GLUON_SPARSE=0 and =1
 #   stage 13 (no carry needed):                       shared-prefix (cascade) decode attention: its GPU test,
 #                                                     then cascade_decode_probe.py against the decode kernel
 #   stage 14 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone, served ide-completion at 30 and 60 with
@@ -163,7 +163,7 @@ case $stage in
       | tee "$OUT/gpu_tests_v4_gluon.txt"
     for on in 0 1; do
       KVSERVE_GLUON_SPARSE=$on PYTHONPATH=$PWD timeout 150 python3 benchmarks/v4_kernel_bench.py --no-extras \
-        --no-attention-grid --contexts 32768 131072 --batches 64 256 2>&1 | grep -v -i warn | tail -24
+        --path-only --contexts 32768 131072 --batches 64 256 2>&1 | grep -v -i warn | tail -24
     done | tee "$OUT/v4_gluon_ab.txt" ;;
   13)  # shared-prefix (cascade) decode attention: its GPU test, then against the decode kernel
     PYTHONPATH=$PWD timeout 120 python3 -m pytest -q -m gpu tests/test_cascade_attention.py 2>&1 | tail -3 \
