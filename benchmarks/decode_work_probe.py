@@ -13,7 +13,7 @@ and planned for its 8,192-key bound; contexts "equal" (every row the ide draw's 
 decoded tokens). Each case: both checked against each other, then timed with
 do_bench_cudagraph (the list planned and uploaded outside the timing; its host time apart).
 
-    python3 benchmarks/decode_work_probe.py [--batches 24 32 51 112]
+    python3 benchmarks/decode_work_probe.py [--batches 24 32 51 112] [--work-waves 4 8]
     python3 benchmarks/decode_work_probe.py --plan-host --batches 24 51 256   # the host's list per replay, no GPU
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve.attention.kernels import decode_work  # noqa: E402
-from kvserve.attention.kernels.decode import decode_attention  # noqa: E402
+from kvserve.attention.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE, FILES, BOUND = 32, 8, 128, 16, 48, 8192
 BLOCK_BYTES = 2 * PAGE * KV_HEADS * DIM * 2
@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--pool-gb", type=int, default=4)
     parser.add_argument("--cases", nargs="+", default=["equal", "ide"])
     parser.add_argument("--plan-host", action="store_true")
+    parser.add_argument("--work-waves", type=int, nargs="+", default=[DecodeConfig().waves],
+                        help="plan the work list for each of these waves (DecodeConfig.waves; default the engine's)")
     args = parser.parse_args()
     if args.plan_host:
         return plan_host(args.batches)
@@ -125,26 +127,33 @@ def main() -> None:
           f"pool {args.pool_gb} GB, blocks at random")
     for n in args.batches:
         for contexts in args.cases:
-            q, table, qsl, lens, host_lens, keys = case(n, contexts)
-            t0 = time.perf_counter()
-            work = decode_work.device_work(host_lens, KV_HEADS, "cuda")
-            plan_us = (time.perf_counter() - t0) * 1e6
+            time_case(n, contexts, cache, gbps, args.work_waves)
 
-            def even():
-                return decode_attention(q, cache, torch.empty_like(q), table, qsl, lens, BOUND, DIM ** -0.5, None, 0)
 
-            def listed():
-                return decode_work.work_decode_attention(q, cache, torch.empty_like(q), table, qsl, lens,
-                                                         DIM ** -0.5, work)
-            a, b = even(), listed()
-            err = float((a.float() - b.float()).norm() / a.float().norm())
-            t_even, t_work = (triton.testing.do_bench_cudagraph(f) for f in (even, listed))
-            floor_us = keys * KV_HEADS * DIM * 2 * 2 / gbps / 1e3
-            print(f"N {n:4d} {contexts:5s} max {int(host_lens.max()):5d} keys {keys:6d}  "
-                  f"even {t_even * 1e3:7.1f} us  work list {t_work * 1e3:7.1f} us  x {t_work / t_even:4.2f}  "
-                  f"floor {floor_us:5.1f} us  items {int(work.seq_splits.sum())} (max {int(work.seq_splits.max())} "
-                  f"a row)  plan {plan_us:5.0f} us host  rel err {err:.1e}")
+def time_case(n: int, contexts: str, cache: torch.Tensor, gbps: float, waves: list[int]) -> None:
+    """Even splits, then the work list planned for each `waves` (programs a KV head: waves x SMs
+    over the KV heads), on one batch; a line each list."""
+    import triton.testing
+    q, table, qsl, lens, host_lens, keys = case(n, contexts)
 
+    def even():
+        return decode_attention(q, cache, torch.empty_like(q), table, qsl, lens, BOUND, DIM ** -0.5, None, 0)
+    expected = even().float()
+    t_even = triton.testing.do_bench_cudagraph(even)
+    floor_us = keys * KV_HEADS * DIM * 2 * 2 / gbps / 1e3
+    for w in waves:
+        config = DecodeConfig(waves=w)
+        work = decode_work.device_work(host_lens, KV_HEADS, "cuda", config)
+
+        def listed():
+            return decode_work.work_decode_attention(q, cache, torch.empty_like(q), table, qsl, lens,
+                                                     DIM ** -0.5, work, config)
+        err = float((listed().float() - expected).norm() / expected.norm())
+        t_work = triton.testing.do_bench_cudagraph(listed)
+        print(f"N {n:4d} {contexts:5s} max {int(host_lens.max()):5d} keys {keys:6d}  "
+              f"even {t_even * 1e3:7.1f} us  work list (waves {w}) {t_work * 1e3:7.1f} us  x {t_work / t_even:4.2f}  "
+              f"floor {floor_us:5.1f} us  items {int(work.seq_splits.sum())} (max {int(work.seq_splits.max())} "
+              f"a row)  rel err {err:.1e}")
 
 if __name__ == "__main__":
     main()

@@ -182,7 +182,7 @@ case $stage in
     if [ "${PROBE:-1}" = 1 ]; then
       PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_decode_work.py 2>&1 | tail -3 \
         | tee "$OUT/gpu_tests_decode_work.txt"
-      PYTHONPATH=$PWD timeout 120 python3 benchmarks/decode_work_probe.py --batches 24 32 51 112 2>&1 | grep -v -i warn \
+      PYTHONPATH=$PWD timeout 120 python3 benchmarks/decode_work_probe.py --batches 24 32 51 112 --work-waves 4 8 2>&1 | grep -v -i warn \
         | tee "$OUT/decode_work_probe.txt"
     fi
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .srv/*.whl
