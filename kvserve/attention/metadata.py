@@ -53,7 +53,8 @@ class AttentionMetadata:
     # shared-prefix groups (`kernels/cascade.py` CascadePlan), read once a group by the backend.
     cascade: Any = None
     # Set only in decode and mixed graphs (unless KVSERVE_DECODE_WORK=0): the step's work list
-    # (`kernels/decode_work.py` DecodeWork; a mixed step's one-query rows), rewritten before each replay.
+    # (`kernels/decode_work.py` DecodeWork; a mixed step's one-query rows), planned before each replay
+    # and rewritten where it changed (`runner.cuda_graph.WorkLists`).
     decode_work: Any = None
 
     def fresh_key_share(self) -> float:
