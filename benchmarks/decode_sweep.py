@@ -6,13 +6,16 @@
   python3 benchmarks/decode_sweep.py --table 32/4/2/4/3 32/4/2/4/5 ... # .../splits: a fixed split count
 
 Prints, per (batch, context), the default config's % of copy bandwidth and the best five
-(or, with --table, every listed config's %).
+(or, with --table, every listed config's %). Each config is timed replaying a CUDA graph of its
+launches (`do_bench_cudagraph`, L2 kept warm, as a decode graph runs); `--no-graph` times eager
+launches with L2 flushed between them (`do_bench`, the sweeps before 2026-12-04: ~30 us kernels
+then read 25-52% of copy for one config in one row).
 """
 import argparse
 import itertools
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from kvserve.attention.kernels import DecodeConfig
 from kvserve.bench.kernels import PagedBatch, copy_bandwidth_gbs, decode_bytes
@@ -29,6 +32,7 @@ def main() -> None:
     p.add_argument("--waves", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--table", nargs="+", default=None)
     p.add_argument("--rep", type=int, default=40)
+    p.add_argument("--no-graph", action="store_true", help="eager launches, L2 flushed (do_bench)")
     a = p.parse_args()
     torch.manual_seed(0)
     copy = copy_bandwidth_gbs()
@@ -43,8 +47,10 @@ def main() -> None:
     for batch in a.batches:
         paged = PagedBatch(batch, max(a.contexts), a.page)
         for ctx in a.contexts:
-            def pct(cfg):
-                ms = do_bench(paged.decode(ctx, cfg), warmup=10, rep=a.rep, return_mode="median")
+            def pct(cfg, paged=paged):
+                run = paged.decode(ctx, cfg)
+                ms = (do_bench(run, warmup=10, rep=a.rep, return_mode="median") if a.no_graph
+                      else do_bench_cudagraph(run, rep=a.rep, return_mode="median"))
                 return decode_bytes(batch, ctx) / ms / 1e6 / copy
             if a.table:
                 print(f"{batch:5d} {ctx:5d}  " + "  ".join(f"{pct(c):11.0%}" for c in configs), flush=True)
