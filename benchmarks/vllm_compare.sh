@@ -55,7 +55,11 @@
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
-# site (.vp3's wheels).
+# site (.vp3's wheels). Stages 10, 11, 14 and 15 (kvserve alone) take them from .srv, built here:
+#   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     fastapi uvicorn uvloop httptools prometheus-client pyzmq msgspec httpx -d .srv
+# (uvloop and httptools: without them uvicorn parses requests in pure Python, as kvserve's server
+# did in the record of 2026-12-04 11:41 UTC while vLLM's had both).
 # Carry .dummy-qwen3-8b in every call that serves: ignored paths not carried are removed there.
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
