@@ -21,7 +21,8 @@
 #                                                     (burst_prefill_profile.py; with AB_ROUNDS=n and
 #                                                     .base.tar, burst_ab.sh's base/new A/B instead); with
 #                                                     OFFLINE=1 the offline seed scenarios
-#   stage 4  carry [".dummy-qwen3-8b"]:               kvserve's serving runs (the rate sweep included)
+#   stage 4  carry [".dummy-qwen3-8b", ".srv"]:       kvserve's serving runs (the rate sweep included); without
+#                                                     vLLM's site (a fresh machine) its web packages from .srv
 #   stage 5  carry [".dummy-qwen3-8b"]:               vLLM's serving runs (about 150 s of start-up)
 #   stage 6  carry [".dummy-qwen3-8b"]:               vLLM's burst prefill profile (about 140 s of
 #                                                     start-up; BURST=0 skips it); with OFFLINE=1 its
@@ -121,6 +122,12 @@ case $stage in
     [ "${OFFLINE:-0}" = 1 ] && offline kvserve 150 || true ;;
   4)
     export PATH=$PWD/.vsite/bin:$PATH
+    # a fresh machine (the last one went back while idle) has no vLLM site: kvserve's web packages
+    # then come from .srv, when the call carries it
+    if [ ! -d .vsite/uvicorn ] && [ -d .srv ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .srv/*.whl
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
     KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv KVSERVE_SYNC_CHECK=1 timeout 560 \
       bash benchmarks/serve_load.sh kvserve "$PWD/.dummy-qwen3-8b" "$runs"
     PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$OUT/steps_kvserve.tsv" --segments \
