@@ -11,7 +11,7 @@ Cases: N running rows (Qwen3-8B heads: 32 q, 8 KV, head_dim 128, bf16, pages of 
 and planned for its 8,192-key bound; contexts "equal" (every row the ide draw's mean) or "ide"
 (the workload's file lengths, Zipf-popular over 48 files and shared, plus a cursor and some
 decoded tokens). Each case: both checked against each other, then timed with
-do_bench_cudagraph (the list planned and uploaded outside the timing; its host time apart).
+do_bench_cudagraph (the list planned and uploaded outside the timing; its host time: --plan-host).
 
     python3 benchmarks/decode_work_probe.py [--batches 24 32 51 112] [--work-waves 4 8]
     python3 benchmarks/decode_work_probe.py --plan-host --batches 24 51 256   # the host's list per replay, no GPU
