@@ -57,7 +57,8 @@ def capture_graph(run, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDA
 
 class WorkLists:
     """The work-list decode's buffer for a kind of graph (`kernels/decode_work.py`): every graph's
-    `DecodeWork` views it at its own sequence count, and each replay rewrites it in full."""
+    `DecodeWork` views it at its own sequence count, and each replay plans the list in full and
+    rewrites the buffer where the plan changed (`write`)."""
 
     def __init__(self, num_kv_heads: int, num_sms: int, max_seqs: int, device: torch.device) -> None:
         self.shape = (num_kv_heads, num_sms)
