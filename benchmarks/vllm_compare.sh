@@ -5,7 +5,7 @@
 # the tree. Cut the stream in three (`benchmarks/vllm_bundle_split.sh`): .vp1 and .vp2 fill a call
 # each, .vp2b (the last few MB) travels with the wheels (.vp3) and the model directory.
 #   stage 1  carry [".vp1"]:                          GPU tests of the engine, its graphs, the batch
-#                                                     tables and fused ops; with CUDNN_ROWS=1 the
+#                                                     tables, fused ops and the decode work list; with CUDNN_ROWS=1 the
 #                                                     prefill probe `prefill_headroom.py --cudnn-rows`
 #   stage 2  carry [".vp2"]:                          GPU tests of the attention kernels and their warm-up
 #   stage 2b carry [".vp2b"]:                         unpack vLLM's stream (.vp1 + .vp2 + .vp2b) into .vsite,
@@ -94,7 +94,8 @@ pack() {  # a call brings back at most 8 files: the runs' JSON and server logs g
 case $stage in
   1)
     TEST_SECONDS=${TEST_SECONDS:-240} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
-      tests/test_prompt_logprobs.py tests/test_batch_tables.py tests/test_fused_ops.py" "$OUT/gpu_tests_1.txt"
+      tests/test_prompt_logprobs.py tests/test_batch_tables.py tests/test_fused_ops.py tests/test_decode_work.py" \
+      "$OUT/gpu_tests_1.txt"
     # with CUDNN_ROWS=1: the ragged burst step as one dense cuDNN call a row, against the TMA path
     [ "${CUDNN_ROWS:-0}" = 1 ] && PYTHONPATH=$PWD timeout 120 python3 benchmarks/prefill_headroom.py --cudnn-rows 2>&1 \
       | grep -v -i warn | tee "$OUT/cudnn_rows.txt" || true ;;   # an option off is no failure
@@ -113,7 +114,9 @@ case $stage in
       PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/host_step_ab.py --base "$BASE" --base-archive .base.tar \
         --running 256 --steps 80 --device cuda --num-kv-blocks 24000 --dtype float32 2>&1 | tail -9 | tee "$OUT/host_ab.txt"
     fi
-    if [ -n "${AB_ROUNDS:-}" ] && [ -f .base.tar ]; then
+    if [ "${BURST:-1}" = 0 ]; then   # a call carrying .vp3 alone (no model directory): the install and host bench
+      :
+    elif [ -n "${AB_ROUNDS:-}" ] && [ -f .base.tar ]; then
       bash benchmarks/burst_ab.sh "$AB_ROUNDS"
     else
       PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/burst_prefill_profile.py --engine kvserve \
