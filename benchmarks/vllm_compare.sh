@@ -32,7 +32,9 @@
 #                                                     each variant checked against float32, then timed)
 #   stage 9  (after stages 4 and 5 with PROFILE_SECONDS=N): the two servers' /start_profile windows
 #                                                     side by side (benchmarks/served_profile_compare.py);
-#                                                     the traces wait in $PROFILE_DIR (default /tmp/served_profiles)
+#                                                     the traces wait in $PROFILE_DIR (default /tmp/served_profiles),
+#                                                     and stages 4 and 5 also return them as $OUT/prof_ENGINE.tgz:
+#                                                     unpacked here, the script compares them without a GPU
 #   stage 10 carry [".srv", ".dummy-qwen3-8b"]:       kvserve alone, no bundle: the TMA path's two kernels
 #                                                     (tma_kernel_ab.py), the burst with the Gluon kernel
 #                                                     against the Triton one (burst_ab.sh), and host
@@ -91,6 +93,9 @@ unpack() {  # vLLM's stream (.vp1 + .vp2 + .vp2b) into .vsite
 pack() {  # a call brings back at most 8 files: the runs' JSON and server logs go as one archive
   (cd "$OUT" && tar -czf "serve_$1.tgz" *_*.json server_*.log && rm -f *_*.json server_*.log)
 }
+keep_profile() {  # the profile window's trace comes back with the call: the machine may be gone by stage 9
+  [ -n "${PROFILE_SECONDS:-}" ] && tar -czf "$OUT/prof_$1.tgz" -C "$PROFILE_DIR" "prof_$1" || true
+}
 case $stage in
   1)
     TEST_SECONDS=${TEST_SECONDS:-240} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
@@ -134,10 +139,10 @@ case $stage in
     KVSERVE_STEP_TRACE=$OUT/steps_kvserve.tsv KVSERVE_SYNC_CHECK=1 timeout 560 \
       bash benchmarks/serve_load.sh kvserve "$PWD/.dummy-qwen3-8b" "$runs"
     PYTHONPATH=$PWD python3 -m kvserve.engine.step_trace "$OUT/steps_kvserve.tsv" --segments \
-      > "$OUT/steps_kvserve_summary.txt"; gzip "$OUT/steps_kvserve.tsv"; pack kvserve ;;
+      > "$OUT/steps_kvserve_summary.txt"; gzip "$OUT/steps_kvserve.tsv"; pack kvserve; keep_profile kvserve ;;
   5)
     export PATH=$PWD/.vsite/bin:$PATH
-    timeout 580 bash benchmarks/serve_load.sh vllm "$PWD/.dummy-qwen3-8b" "$runs"; pack vllm ;;
+    timeout 580 bash benchmarks/serve_load.sh vllm "$PWD/.dummy-qwen3-8b" "$runs"; pack vllm; keep_profile vllm ;;
   6)  # the served mixed burst's prefill, kernel by kernel, as kvserve's was in stage 3
     [ "${BURST:-1}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 400 python3 benchmarks/burst_prefill_profile.py \
       --engine vllm --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^vllm|^  |^device|Error" | tail -40 \
