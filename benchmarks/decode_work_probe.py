@@ -80,21 +80,33 @@ def case(n: int, contexts: str):
     return q, block_table(owners, lens, prefix_of, rows), query_start_loc, seq_lens, host_lens, sum(lens)
 
 
+def graph_rows(n: int) -> tuple[int, np.ndarray]:
+    """The decode graph's size for n running rows and its rows' keys (the workload's contexts;
+    padding rows 1 key)."""
+    size = -(-n // 8) * 8
+    return size, np.array(ide_lengths(n)[1] + [1] * (size - n))
+
+
+def decode_streak(lists, keys: np.ndarray, size: int, steps: int = 128) -> None:
+    """`lists.write` as a decode streak's replays call it: every row one key longer a step."""
+    for step in range(steps):
+        lists.write(keys + step, size)
+
+
 def plan_host(batches: list[int], repeats: int = 200) -> None:
     """What a decode graph's replay adds on the host (`WorkLists.write`: `plan_work` and the
     buffer's rewrite), at the workload's contexts, on this machine's device (a CPU one here)."""
     from kvserve.runner.cuda_graph import WorkLists
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for n in batches:
-        size = -(-n // 8) * 8
-        keys = np.array(ide_lengths(n)[1] + [1] * (size - n))
+        size, keys = graph_rows(n)
         lists = WorkLists(KV_HEADS, 132, size, device)
         cap = lists.capacity(size)
         timings = []
         flipped = np.where(np.arange(size) % 2 == 0, keys, 0)   # other split counts: each write rewrites
         for fn in (lambda: decode_work.plan_work(keys, KV_HEADS, 132, cap),
                    lambda: (lists.write(keys, size), lists.write(flipped, size)),
-                   lambda: [lists.write(keys + step, size) for step in range(128)]):
+                   lambda: decode_streak(lists, keys, size)):
             fn()
             t0 = time.perf_counter()
             for _ in range(repeats):
