@@ -328,7 +328,8 @@ def summary(steps: list[dict[str, float]]) -> str:
                  f"period); gpu: the device's span on it, first kernel to last (nan: not timed); gap: device "
                  f"- gpu, the device idle around it; host: launching it; wait: for the step before it "
                  f"(< 0.1 ms: the host set the pace, {host_bound:.0%} of steps)")
-    return "\n".join(lines + decode_by_rows(groups["decode/graph"]) + longest_host(groups["all"]))
+    return "\n".join(lines + decode_by_rows(groups["decode/graph"]) + mixed_by_prompt(groups["mixed/graph"])
+                     + longest_host(groups["all"]))
 
 
 def decode_by_rows(steps: list[dict[str, float]], width: int = 8) -> list[str]:
@@ -347,9 +348,23 @@ def decode_by_rows(steps: list[dict[str, float]], width: int = 8) -> list[str]:
     return lines
 
 
-def _fit(steps: list[dict[str, float]], column: str) -> str:
-    fit = statistics.linear_regression([s["rows"] for s in steps], [s[column] for s in steps])
-    return f"fit {fit.intercept:.2f} ms + {fit.slope * 1e3:.1f} us a row"
+def mixed_by_prompt(steps: list[dict[str, float]]) -> list[str]:
+    """Graph mixed steps' device ms by the prompt tokens they carry (doubling bins from 64) and
+    the fitted ms a prompt token: what a chunk beside the running decodes adds to their step,
+    and so to their inter-token gap (the tail of ITL under Poisson arrivals)."""
+    bins: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        bins[max(64, 1 << (int(s["prompt_tokens"]) - 1).bit_length())].append(s["device_ms"])
+    cells = [f"<={hi}: {statistics.median(v):.2f} ({len(v)})" for hi, v in sorted(bins.items())]
+    if len({s["prompt_tokens"] for s in steps}) < 2:
+        return [f"mixed/graph device ms p50 by prompt tokens: {', '.join(cells)}"] if cells else []
+    return [f"mixed/graph device ms p50 by prompt tokens (steps): {', '.join(cells)}; "
+            f"{_fit(steps, 'device_ms', 'prompt_tokens', 'prompt token')}"]
+
+
+def _fit(steps: list[dict[str, float]], column: str, by: str = "rows", unit: str = "row") -> str:
+    fit = statistics.linear_regression([s[by] for s in steps], [s[column] for s in steps])
+    return f"fit {fit.intercept:.2f} ms + {fit.slope * 1e3:.1f} us a {unit}"
 
 
 def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:
