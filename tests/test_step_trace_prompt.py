@@ -29,3 +29,15 @@ def test_one_prompt_size_gives_its_bin_without_a_fit(tmp_path):
     mixed = step_trace.with_periods(steps)
     assert step_trace.mixed_by_prompt(mixed) == ["mixed/graph device ms p50 by prompt tokens: <=128: 8.00 (4)"]
     assert step_trace.mixed_by_prompt([]) == []
+
+
+def test_a_short_chunks_cost_over_decode_is_binned_by_rows():
+    """Decode steps of 20 rows at 6 ms and mixed steps of 20 rows with 16 prompt tokens at 7 ms:
+    +1.00 in the 16-31 bin; a longer chunk and a bin with too few steps are left out."""
+    def step(rows, prompt, ms):
+        return {"rows": rows, "prompt_tokens": prompt, "device_ms": ms}
+    decode = [step(20, 0, 6.0)] * 5 + [step(40, 0, 7.0)] * 5
+    mixed = [step(20, 16, 7.0)] * 5 + [step(20, 200, 30.0)] * 9 + [step(40, 8, 9.0)] * 4
+    assert step_trace.short_chunk_cost(decode, mixed) == [
+        "mixed/graph (<= 32 prompt tokens) - decode/graph device ms p50 by rows: 16-31: 7.00 - 6.00 = +1.00"]
+    assert step_trace.short_chunk_cost(decode, []) == []

@@ -329,7 +329,7 @@ def summary(steps: list[dict[str, float]]) -> str:
                  f"- gpu, the device idle around it; host: launching it; wait: for the step before it "
                  f"(< 0.1 ms: the host set the pace, {host_bound:.0%} of steps)")
     return "\n".join(lines + decode_by_rows(groups["decode/graph"]) + mixed_by_prompt(groups["mixed/graph"])
-                     + longest_host(groups["all"]))
+                     + short_chunk_cost(groups["decode/graph"], groups["mixed/graph"]) + longest_host(groups["all"]))
 
 
 def decode_by_rows(steps: list[dict[str, float]], width: int = 8) -> list[str]:
@@ -360,6 +360,24 @@ def mixed_by_prompt(steps: list[dict[str, float]]) -> list[str]:
         return [f"mixed/graph device ms p50 by prompt tokens: {', '.join(cells)}"] if cells else []
     return [f"mixed/graph device ms p50 by prompt tokens (steps): {', '.join(cells)}; "
             f"{_fit(steps, 'device_ms', 'prompt_tokens', 'prompt token')}"]
+
+
+def short_chunk_cost(decode: list[dict[str, float]], mixed: list[dict[str, float]],
+                     max_prompt: int = 32, width: int = 16, min_steps: int = 5) -> list[str]:
+    """What a graph mixed step carrying a short chunk (<= max_prompt tokens, ~20 us a token of
+    compute) costs over a graph decode step of as many rows: device ms p50 of each, by rows in
+    bins of `width`, where both kinds have `min_steps` steps or more."""
+    bins: dict[int, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for s in decode:
+        bins[int(s["rows"]) // width * width][0].append(s["device_ms"])
+    for s in mixed:
+        if s["prompt_tokens"] <= max_prompt:
+            bins[int(s["rows"]) // width * width][1].append(s["device_ms"])
+    cells = [f"{lo}-{lo + width - 1}: {statistics.median(m):.2f} - {statistics.median(d):.2f} = "
+             f"{statistics.median(m) - statistics.median(d):+.2f}" for lo, (d, m) in sorted(bins.items())
+             if min(len(d), len(m)) >= min_steps]
+    return [f"mixed/graph (<= {max_prompt} prompt tokens) - decode/graph device ms p50 by rows: "
+            + ", ".join(cells)] if cells else []
 
 
 def _fit(steps: list[dict[str, float]], column: str, by: str = "rows", unit: str = "row") -> str:
