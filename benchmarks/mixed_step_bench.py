@@ -11,9 +11,6 @@ under CUDA graphs: the device time per step once the device is the bottleneck). 
 adds a torch.profiler pass per phase: the top device kernels' microseconds per step.
 Each phase also prints the host ms per step: `LLMEngine.step` less its wait for the step in
 flight. A phase whose host ms reaches its ms/step is bound by the host, not the device.
-`--short-chunk-rows 0,32` times each mixed phase once per value of
-`runner/mixed_graph.py`'s SHORT_CHUNK_ROWS (chunks up to that many tokens replayed as
-one-query rows; 0: off), alternating the values over `--rounds` rounds in one process.
 `--host-profile` adds a cProfile of the last mixed phase's steps, and `--sync-check` runs a few
 of its steps in CUDA sync-debug mode, printing where each synchronising call came from.
 
@@ -136,25 +133,6 @@ def top_kernels(engine: LLMEngine, traffic: Traffic, steps: int, new_tokens: int
     return [(r["name"], r["us"] / (steps + 1)) for r in kernel_rows(prof, on_gpu=True)[:top]]
 
 
-def short_chunk_ab(engine: LLMEngine, traffic: Traffic, a: argparse.Namespace,
-                   phases: list[tuple[str, int | None]], values: list[int]) -> None:
-    """Each phase's ms a step (median over rounds) for each SHORT_CHUNK_ROWS value, the
-    values alternating within each round, and the split replays counted."""
-    from kvserve.runner import mixed_graph
-    graphs = engine.runner.mixed_graphs
-    for name, new_tokens in phases:
-        times: dict[int, list[float]] = {v: [] for v in values}
-        splits = {v: 0 for v in values}
-        for r in range(a.rounds):
-            for v in (values if r % 2 == 0 else values[::-1]):
-                mixed_graph.SHORT_CHUNK_ROWS = v
-                before = graphs.num_split_replays if graphs is not None else 0
-                times[v].append(timed(engine, traffic, a.steps, new_tokens)[0])
-                splits[v] += (graphs.num_split_replays if graphs is not None else 0) - before
-        cells = "   ".join(f"rows<={v}: {statistics.median(times[v]):7.2f} ms ({splits[v]} split)" for v in values)
-        print(f"{name:>10}: {cells}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="dummy:qwen3-8b")
@@ -165,9 +143,6 @@ def main() -> None:
     p.add_argument("--chunks", default="16,200", help="new tokens of the admitted prompt, per mixed phase")
     p.add_argument("--hf-overrides", default=None, help="JSON merged into the model config")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--short-chunk-rows", default=None,
-                   help="comma-separated SHORT_CHUNK_ROWS values to time each mixed phase with")
-    p.add_argument("--rounds", type=int, default=1, help="with --short-chunk-rows: alternations")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--host-profile", action="store_true")
     p.add_argument("--sync-check", action="store_true")
@@ -180,8 +155,6 @@ def main() -> None:
         engine.step()
     phases = [("decode", None)] + [(f"mixed-{s}", int(s)) for s in a.chunks.split(",")]
     print(f"model={a.model} running={a.running} steps={a.steps} graphs={'off' if a.enforce_eager else 'on'}")
-    if a.short_chunk_rows is not None:
-        return short_chunk_ab(engine, traffic, a, phases, [int(v) for v in a.short_chunk_rows.split(",")])
     for name, new_tokens in phases:
         ms, host_ms = timed(engine, traffic, a.steps, new_tokens)
         print(f"{name:>10}: {ms:7.2f} ms/step   host {host_ms:6.2f} ms/step")

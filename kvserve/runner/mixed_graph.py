@@ -16,23 +16,11 @@ tokens get slot -1 (the cache write skips them), padding sequences get an
 empty query, and tile-table entries past the batch's tiles get sequence -1
 (their programs exit). Steps above the largest bucket run eagerly: there
 the GPU time of the step dwarfs its launch overhead.
-
-Short prompt chunks (2 to SHORT_CHUNK_ROWS tokens) replay as one-query rows:
-token j of a chunk of n whose context ends at L becomes a row of context
-L - n + 1 + j over the chunk's block table (`split_short_chunks`). The cache
-holds the step's K/V before attention runs (`reshape_and_cache`), so each row
-reads its chunk's earlier tokens from the cache, causally, and the chunk goes
-to the decode kernel's work list instead of a varlen query tile and its split
-reduce, which are latency-bound at a few tokens (the served step trace's
-`short_chunk_cost`: such a step cost 0.6-1.0 ms over a decode step of as many
-rows).
 """
 from __future__ import annotations
 
 import bisect
 import logging
-import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -55,35 +43,6 @@ CHUNK_TILES = 8
 # the step, while launch overhead stays fixed: past ~2K tokens the step's
 # GPU time hides the launches anyway.
 MAX_MIXED_GRAPH_TOKENS = 2048
-
-# Prompt chunks of 2 to this many tokens replay as one-query rows (module doc); 0 or 1: off.
-SHORT_CHUNK_ROWS = int(os.environ.get("KVSERVE_SHORT_CHUNK_ROWS", "0"))
-
-
-@dataclass(frozen=True)
-class RowSplit:
-    """A mixed batch's sequences with short chunks cut into one-query rows (host arrays)."""
-    rows: np.ndarray          # int64 [R]: each row's sequence in the batch (its block-table row)
-    query_start: np.ndarray   # int32 [R + 1]: cumulative query lengths of the rows
-    seq_lens: np.ndarray      # int32 [R]: each row's context, its own query included
-    query_lens: np.ndarray    # int64 [R]
-
-
-def split_short_chunks(query_lens: list[int], seq_lens: list[int], max_rows: int) -> RowSplit | None:
-    """Each chunk of 2..max_rows query tokens as that many one-query rows, in
-    token order (module doc); other sequences unchanged. None when no chunk
-    qualifies."""
-    q, ends = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
-    cut = (q > 1) & (q <= max_rows)
-    if not cut.any():
-        return None
-    counts = np.where(cut, q, 1)
-    rows = np.repeat(np.arange(len(q)), counts)
-    j = np.arange(len(rows)) - (np.cumsum(counts) - counts)[rows]   # a row's place in its sequence
-    row_q = np.where(cut[rows], 1, q[rows])
-    row_ends = np.where(cut[rows], ends[rows] - q[rows] + 1 + j, ends[rows])
-    starts = np.concatenate([[0], np.cumsum(row_q)])
-    return RowSplit(rows, starts.astype(np.int32), row_ends.astype(np.int32), row_q)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -119,7 +78,6 @@ class MixedGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays: dict[int, int] = {}
-        self.num_split_replays = 0   # replays whose short chunks ran as one-query rows
         # Work-list decode of the one-query rows (`kernels/decode_work.py`), rewritten by `run`.
         self.work = WorkLists.for_model(model, s, device) if work else None
 
@@ -173,40 +131,24 @@ class MixedGraphs:
             meta: AttentionMetadata) -> torch.Tensor | None:
         """Replay the bucket's graph for a mixed batch: hidden states [T, hidden],
         or None where no captured bucket holds the step (run it eagerly)."""
-        n = meta.num_tokens
-        split = split_short_chunks(meta.query_lens_cpu, meta.seq_lens_cpu, SHORT_CHUNK_ROWS) \
-            if SHORT_CHUNK_ROWS > 1 else None
-        plan = self._plan(n, meta, split)
-        if plan is None and split is not None:   # its rows outgrow every bucket's sequence capacity
-            split, plan = None, self._plan(n, meta, None)
-        if plan is None:
+        n, s = meta.num_tokens, meta.num_seqs
+        # The decode kernel attends the one-query rows: no tile programs for them.
+        tiles = tile_table(torch.from_numpy(np.asarray(meta.query_lens_cpu, dtype=np.int32)),
+                           self.block_q, skip_single=True)
+        bucket = self.bucket_for(n, s, tiles[0].shape[0])
+        if bucket is None:
             return None
-        bucket, tiles, query_lens, seq_lens = plan
-        capacity = self.seq_capacity(bucket)
         self._write_tokens(n, bucket, input_ids, positions, meta.slot_mappings)
-        if split is None:
-            self._write_seqs(meta.num_seqs, capacity, n, meta)
-        else:
-            self._write_split(split, capacity, n, meta.block_tables)
-            self.num_split_replays += 1
+        self._write_seqs(s, self.seq_capacity(bucket), n, meta)
         self._write_tiles(tiles, self.tile_capacity(bucket))
         if self.work is not None:   # items for the one-query rows only
+            capacity = self.seq_capacity(bucket)
             keys = np.zeros(capacity, dtype=np.int64)
-            keys[:len(query_lens)] = np.where(query_lens == 1, seq_lens, 0)
+            keys[:s] = np.where(np.asarray(meta.query_lens_cpu) == 1, meta.seq_lens_cpu, 0)
             self.work.write(keys, capacity)
         self.graphs[bucket].replay()
         self.num_replays[bucket] = self.num_replays.get(bucket, 0) + 1
         return self.outputs[bucket][:n]
-
-    def _plan(self, n: int, meta: AttentionMetadata, split: RowSplit | None):
-        """(bucket, tile table, query lens, seq lens) of the step's rows (`split`'s, else the
-        batch's own), or None where no bucket holds them. The decode kernel attends the
-        one-query rows: no tile programs for them."""
-        query_lens = split.query_lens if split is not None else np.asarray(meta.query_lens_cpu, dtype=np.int64)
-        seq_lens = split.seq_lens if split is not None else np.asarray(meta.seq_lens_cpu, dtype=np.int64)
-        tiles = tile_table(torch.from_numpy(query_lens.astype(np.int32)), self.block_q, skip_single=True)
-        bucket = self.bucket_for(n, len(query_lens), tiles[0].shape[0])
-        return None if bucket is None else (bucket, tiles, query_lens, seq_lens)
 
     def _write_tokens(self, n: int, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
                       slots: list[torch.Tensor]) -> None:
@@ -227,20 +169,6 @@ class MixedGraphs:
             static[:s, :table.shape[1]].copy_(table)
             static[:s, table.shape[1]:].zero_()
             static[s:capacity].zero_()
-
-    def _write_split(self, split: RowSplit, capacity: int, n: int, tables: list[torch.Tensor]) -> None:
-        """`_write_seqs` for the rows of `split`: each row its own query and context, over its
-        sequence's block-table row; padding rows as there."""
-        r, device = len(split.rows), self.seq_lens.device
-        self.query_start_loc[:r + 1].copy_(upload(torch.from_numpy(split.query_start), device))
-        self.query_start_loc[r + 1:capacity + 1].fill_(n)
-        self.seq_lens[:r].copy_(upload(torch.from_numpy(split.seq_lens), device))
-        self.seq_lens[r:capacity].fill_(1)
-        rows = upload(torch.from_numpy(split.rows), device)
-        for static, table in zip(self.block_tables, tables):
-            static[:r, :table.shape[1]].copy_(table.index_select(0, rows))
-            static[:r, table.shape[1]:].zero_()
-            static[r:capacity].zero_()
 
     def _write_tiles(self, tiles: tuple[torch.Tensor, torch.Tensor], capacity: int) -> None:
         seq, q_tile = tiles
