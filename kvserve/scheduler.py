@@ -52,10 +52,11 @@ its one last token with its previous token still on the device, leaves a
 step finds the same running requests in the same order, each still with a
 token on the device, their state moved only as a decode step moves it
 (computed +1, one more token sampled), so their rows are the streak's starts
-plus one, built without reading a request's other fields. Anything else that
-changes a running request (finish, abort, preemption, admission, a failed
-launch) changes the running list or skips the advance, and the rows are read
-request by request again.
+plus one, built without reading a request's other fields, and their KV is
+allocated over arrays (`KVCacheManager.allocate_decode_rows`, with the ids the
+streak keeps). Anything else that changes a running request (finish, abort,
+preemption, admission, a failed launch) changes the running list or skips the
+advance, and the rows are read request by request again.
 
 Prompt logprobs: a prefix hit skips computing its positions, and with them
 their logprobs, so a request asking for prompt logprobs takes a hit only over
@@ -125,6 +126,13 @@ class DecodeStreak:
     starts: np.ndarray
     min_left: int
     advanced: bool = False   # its launch ran `update_after_step` (the streak is always the last schedule's)
+    # The requests' ids (read from them unless given), kept while the streak holds:
+    # `KVCacheManager.allocate_decode_rows` and the batch's block tables take them.
+    request_ids: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.request_ids is None:
+            self.request_ids = list(map(_request_id_of, self.requests))
 
     def next_rows(self, running: list[Request], budget: int) -> list[ScheduledRequest] | None:
         """The rows of the step after it, each request's start one further, or
@@ -149,6 +157,8 @@ class SchedulerOutput:
     kv_copies: CopyBatch = field(default_factory=CopyBatch)
     # Load-ahead admissions' copies: start now, after `kv_copies`; the next step's forward waits.
     kv_prefetch: CopyBatch = field(default_factory=CopyBatch)
+    # The rows' request ids, when a decode streak kept them (else None: read them from the rows).
+    request_ids: list[str] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -212,6 +222,7 @@ class Scheduler:
         # policy), computed at most once per step.
         self._prefilled_prefixes: set[bytes] | None = None
         self._streak: DecodeStreak | None = None   # the last step's, while it was steady decode
+        self._held_streak: DecodeStreak | None = None   # the streak this step's rows come from, if any
         self._min_left = 0   # the rows' fewest tokens left to give (`_running_rows`)
 
     # -- queue management ------------------------------------------------
@@ -248,6 +259,8 @@ class Scheduler:
             deferred = self._schedule_waiting(out, budget)
         if out.decode is not None and out.decode.num_rows != len(out.scheduled):
             out.decode = None  # admissions joined the decode rows
+        if out.request_ids is not None and len(out.request_ids) != len(out.scheduled):
+            out.request_ids = None  # admissions joined the streak's rows
         if deferred:
             out.kv_prefetch = self.kv_cache.take_pending_copies()
         else:
@@ -261,7 +274,9 @@ class Scheduler:
         decode = out.decode
         if decode is None or out.preempted or len(out.scheduled) != len(self.running):
             return None
-        return DecodeStreak(list(self.running), decode.starts, self._min_left)
+        held = self._held_streak   # the same requests: its ids hold
+        return DecodeStreak(list(self.running), decode.starts, self._min_left,
+                            request_ids=held.request_ids if held is not None else None)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests in order, each up to its known tokens, their KV
@@ -270,11 +285,14 @@ class Scheduler:
         (`SchedulerOutput.decode`): the batch is then built without walking
         the rows again."""
         rows, left, marks = self._running_rows(budget)
-        num_candidates = len(rows)
-        out.scheduled = self._allocate_running(rows, out)
-        out.decode = _decode_batch(rows, *marks)
+        num_candidates, streak = len(rows), self._held_streak
+        starts = streak.starts + 1 if streak is not None else None
+        out.scheduled = self._allocate_running(rows, out, streak, starts)
         if len(rows) < num_candidates:  # rows of preempted requests were dropped
-            left = budget - sum(map(_num_new_of, rows))
+            left, starts = budget - sum(map(_num_new_of, rows)), None
+        elif streak is not None:
+            out.request_ids = streak.request_ids
+        out.decode = _decode_batch(rows, *marks, starts)
         return left
 
     def _running_rows(self, budget: int) -> tuple[list[ScheduledRequest], int, tuple[int, int]]:
@@ -284,12 +302,14 @@ class Scheduler:
         the first that does not compute its one last token, and of the first
         whose token the host already has (len(rows) when there is none)."""
         rows: list[ScheduledRequest] = []
+        self._held_streak = None
         if budget <= 0:
             return rows, budget, (0, 0)
         streak = self._streak
         fast = streak.next_rows(self.running, budget) if streak is not None else None
         if fast is not None:
             self._min_left = streak.min_left - 1
+            self._held_streak = streak
             return fast, budget - len(fast), (len(fast), len(fast))
         multi = known = None
         append = rows.append
@@ -317,11 +337,18 @@ class Scheduler:
         self._min_left = min_left
         return rows, budget, (end if multi is None else multi, end if known is None else known)
 
-    def _allocate_running(self, rows: list[ScheduledRequest], out: SchedulerOutput) -> list[ScheduledRequest]:
+    def _allocate_running(self, rows: list[ScheduledRequest], out: SchedulerOutput,
+                          streak: DecodeStreak | None = None,
+                          starts: np.ndarray | None = None) -> list[ScheduledRequest]:
         """Allocate the rows' KV in order; where blocks run out, preempt the
         newest running requests until the row fits (`_preempt_until_fits`) and
-        drop the rows of those preempted. Returns `rows`, cut to those kept."""
-        done = self.kv_cache.allocate_rows(rows)
+        drop the rows of those preempted. Returns `rows`, cut to those kept.
+        `streak`: the one the rows come from, which vouches for them (each
+        computes one token at its request's num_computed_tokens, `starts`)."""
+        if streak is not None:
+            done = self.kv_cache.allocate_decode_rows(rows, streak.request_ids, starts)
+        else:
+            done = self.kv_cache.allocate_rows(rows)
         while done < len(rows):
             request, num_new, _ = rows[done]
             if not self._preempt_until_fits(request, num_new, out):
@@ -514,13 +541,16 @@ def _loses_prompt_logprobs(request: Request, computed: ComputedBlocks, num_hit: 
     return min(num_hit, request.num_prompt_tokens - 1) > len(request.prompt_logprobs)
 
 
-def _decode_batch(rows: list[ScheduledRequest], multi: int, known: int) -> DecodeBatch | None:
+def _decode_batch(rows: list[ScheduledRequest], multi: int, known: int,
+                  starts: np.ndarray | None = None) -> DecodeBatch | None:
     """The rows as arrays when each computes its one last token (the first
     `multi` rows do), None otherwise; their tokens are on the device when
-    the host has none of them (the first `known` rows)."""
+    the host has none of them (the first `known` rows). `starts`: the rows'
+    start positions when the caller has them (a decode streak's)."""
     if not rows or multi < len(rows):
         return None
-    starts = np.fromiter(map(_start_of, rows), dtype=np.int64, count=len(rows))
+    if starts is None:
+        starts = np.fromiter(map(_start_of, rows), dtype=np.int64, count=len(rows))
     return DecodeBatch(starts, on_device=known >= len(rows))
 
 
@@ -529,6 +559,7 @@ def _decode_batch(rows: list[ScheduledRequest], multi: int, known: int) -> Decod
 _tuple_new = tuple.__new__
 # A row's fields, for C-level passes over a step's rows (`map`: no Python frame per row).
 row_request_id = attrgetter("request.request_id")
+_request_id_of = attrgetter("request_id")
 _num_new_of = itemgetter(1)
 _pending_of = attrgetter("num_pending_tokens")
 _start_of = itemgetter(2)

@@ -1,0 +1,144 @@
+"""`KVCacheManager.allocate_decode_rows`, the steady decode step's allocation
+over arrays, against the row-by-row path it replaces (`allocate_slots` per
+row, `allocate_rows`): the cache state after each step, the row each stops
+at, and the consistency checker, over decode streaks that cross block
+boundaries, run the pool dry, and (in an engine) meet preemption and aborts."""
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+
+from kvserve.cache.groups import KVCacheGroup, make_kv_cache_groups
+from kvserve.cache.kv_cache_manager import KVCacheManager
+from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+FULL = FullAttentionSpec()
+# Two full groups (rooms of two tails each), one full, and one that drops blocks (no rooms).
+LAYOUTS = {"full": make_kv_cache_groups([FULL]),
+           "full x2": [KVCacheGroup(FULL, (0,)), KVCacheGroup(FULL, (1,))],
+           "full + sliding": make_kv_cache_groups([FULL, SlidingWindowSpec(6)])}
+
+
+def _state(manager: KVCacheManager, request_ids: list[str]) -> tuple:
+    """Everything a step's allocation changes, the lagging tail counters synced."""
+    for request_id in list(manager._room):
+        manager._sync_tails(request_id)
+    fill = manager._held.fill
+    return ([manager.get_block_ids(r) for r in request_ids], dict(manager._num_tokens),
+            {r: room[:2] + (room[3],) for r, room in manager._room.items()},
+            sorted(manager.pool.cached), [b.block_id for b in manager.pool.free_queue],
+            fill.used_slots, fill.num_held)
+
+
+def _decoding(manager: KVCacheManager, n: int, rng: random.Random) -> list[Request]:
+    requests = []
+    for i in range(n):
+        r = Request(str(i), [rng.randrange(3, 50) for _ in range(rng.randint(1, 12))],
+                    SamplingParams(max_tokens=1000))
+        computed, hit = manager.get_computed_blocks(r)
+        if not manager.allocate_slots(r, r.num_tokens - hit, computed):
+            break
+        r.num_computed_tokens = r.num_tokens
+        requests.append(r)
+    return requests
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_decode_rows_change_the_cache_as_allocate_slots_row_by_row(layout, caching):
+    """Twin managers, one stepped by `allocate_decode_rows`, the other by
+    `allocate_slots` per row: equal states and stopping rows every step, while
+    requests cross block boundaries, leave (free) and the pool runs dry."""
+    rng = random.Random(7)
+    stops = set()
+    for trial in range(6):
+        managers = [KVCacheManager(LAYOUTS[layout], num_blocks=40, block_size=4, enable_prefix_caching=caching)
+                    for _ in range(2)]
+        walks = [_decoding(m, 8, random.Random(trial)) for m in managers]
+        for step in range(20):
+            rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+            starts = np.array([r.num_computed_tokens for r in walks[0]], dtype=np.int64)
+            done = managers[0].allocate_decode_rows(rows, [r.request_id for r in walks[0]], starts)
+            expected = next((i for i, r in enumerate(walks[1]) if not managers[1].allocate_slots(r, 1)),
+                            len(rows))
+            assert done == expected, (trial, step)
+            ids = [r.request_id for r in walks[0]]
+            assert _state(managers[0], ids) == _state(managers[1], ids), (trial, step)
+            managers[0].check_integrity()
+            stops.add(done < len(rows))
+            token = rng.randrange(3, 50)
+            # A request leaves, making room: the newest when the pool ran dry, sometimes any.
+            leaves = len(rows) - 1 if done < len(rows) else rng.randrange(len(rows)) if rng.random() < 0.2 else None
+            for walk, manager in zip(walks, managers):
+                for r in walk[:done]:
+                    r.num_computed_tokens += 1
+                    r.output_token_ids.append(token)
+                if leaves is not None:
+                    manager.free(walk.pop(leaves))
+            if not walks[0]:
+                break
+    assert stops == {True, False}   # the pool ran dry on the way, and steps went through
+
+
+def test_decode_rows_whose_start_is_not_the_cache_end_take_the_row_by_row_path():
+    """A start that differs from the end the cache holds (a step computed fewer
+    tokens than scheduled) is the general path's, not the rooms'."""
+    managers = [KVCacheManager(LAYOUTS["full"], num_blocks=20, block_size=4) for _ in range(2)]
+    walks = [_decoding(m, 3, random.Random(1)) for m in managers]
+    for walk, manager in zip(walks, managers):
+        assert manager.allocate_slots(walk[1], 3)   # scheduled 3, computed 1 (below)
+        walk[1].num_computed_tokens += 1
+    rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+    starts = np.array([r.num_computed_tokens for r in walks[0]])
+    assert managers[0].allocate_decode_rows(rows, [r.request_id for r in walks[0]], starts) == 3
+    assert all(managers[1].allocate_slots(r, 1) for r in walks[1])
+    ids = [r.request_id for r in walks[0]]
+    assert _state(managers[0], ids) == _state(managers[1], ids)
+    managers[0].check_integrity()
+
+
+def test_an_engine_s_decode_rows_equal_the_row_by_row_allocation():
+    """An engine on a random mix (arrivals, output limits, aborts, preemption
+    for lack of blocks): at every `allocate_decode_rows` call, a copy of the
+    cache takes the same rows through `allocate_rows`; both stop at the same
+    row and end in the same state. The fast path runs many times, crossing
+    block boundaries and running out of blocks."""
+    from kvserve.entrypoints.llm import LLM
+    llm = LLM("dummy:tiny-llama", load_format="dummy", device="cpu", dtype="float32", block_size=4,
+              max_model_len=96, num_kv_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
+    engine, rng = llm.engine, random.Random(5)
+    kv, counts = engine.kv_cache, {"calls": 0, "stopped": 0, "opened": 0}
+    allocate_decode_rows = kv.allocate_decode_rows
+
+    def checked(rows, request_ids, starts):
+        twin, twin_rows = copy.deepcopy((kv, rows))
+        opened = kv.pool.num_free_blocks
+        done = allocate_decode_rows(rows, request_ids, starts)
+        assert done == twin.allocate_rows(twin_rows)
+        assert _state(kv, request_ids) == _state(twin, request_ids)
+        kv.check_integrity()
+        counts["calls"] += 1
+        counts["stopped"] += done < len(rows)
+        counts["opened"] += kv.pool.num_free_blocks < opened
+        return done
+    kv.allocate_decode_rows = checked
+    requests = []
+    for _ in range(300):
+        if rng.random() < 0.2 and len(requests) < 50:
+            params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True)
+            requests.append(engine.make_request([rng.randrange(3, 256) for _ in range(rng.randint(1, 30))], params))
+            engine.add_request(requests[-1])
+        if rng.random() < 0.03 and engine.scheduler.running:
+            engine.abort_request(rng.choice(engine.scheduler.running).request_id)
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert counts["calls"] > 50 and counts["stopped"] > 0 and counts["opened"] > 10, counts
+    assert engine.scheduler.num_preemptions > 0
+    assert all(r.is_finished for r in requests)
+    assert kv.num_free_blocks == kv.num_usable_blocks   # nothing leaked
