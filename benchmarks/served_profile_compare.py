@@ -9,12 +9,19 @@ each server's first run). This reads each directory's trace (the largest `*.json
 kinds), busy and idle time over the window, and the top kernels; then the two side by side.
 
     python benchmarks/served_profile_compare.py DIR_A DIR_B [--top 12]
+    python benchmarks/served_profile_compare.py DIR --by-step [--top 8]
+
+`--by-step` reads one kvserve trace: its steps split into mixed (a `_prefill` kernel
+among them) and decode, each kind's span, busy time and kernels per step (medians), its
+largest idle gap inside a step, and the top kernels' us a step; then the `--top` mixed steps
+with the least prefill attention (the shortest chunks), kernel by kernel.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -78,12 +85,67 @@ def side_by_side(a: dict, b: dict) -> list[str]:
     return rows
 
 
+PREFILL_KERNEL = "_prefill"   # kvserve's varlen attention (and its reduce): only in steps with a prompt chunk
+
+
+def steps_of(kernels: list[tuple[float, float, str]]) -> list[list[tuple[float, float, str]]]:
+    """The kernels cut into engine steps, each ending at its sampler's argmax (the window's
+    first step, cut into by the window's start, dropped)."""
+    steps, current = [], []
+    for kernel in kernels:
+        current.append(kernel)
+        if STEP_KERNEL in kernel[2]:
+            steps.append(current)
+            current = []
+    return steps[1:]
+
+
+def largest_gap(step: list[tuple[float, float, str]]) -> float:
+    """The longest time inside a step with no kernel running."""
+    gap, end = 0.0, step[0][0]
+    for start, dur, _ in step:
+        gap, end = max(gap, start - end), max(end, start + dur)
+    return gap
+
+
+def by_step(kernels: list[tuple[float, float, str]], top: int) -> list[str]:
+    kinds: dict[str, list] = {"mixed": [], "decode": []}
+    for step in steps_of(kernels):
+        kinds["mixed" if any(PREFILL_KERNEL in n for _, _, n in step) else "decode"].append(step)
+    lines = []
+    for kind, steps in kinds.items():
+        if not steps:
+            continue
+        med = lambda f: statistics.median(map(f, steps))  # noqa: E731
+        lines.append(f"{kind}: {len(steps)} steps, span {med(lambda s: s[-1][0] + s[-1][1] - s[0][0]):.0f} us, "
+                     f"busy {med(_busy):.0f}, kernels {med(len):.0f}, largest idle gap {med(largest_gap):.0f} "
+                     f"(medians a step; the longest gap of all: {max(map(largest_gap, steps)):.0f} us)")
+        lines += [f"    {us:8.1f} us/step  {name[:80]}" for name, us in _per_step(steps)[:top]]
+    shortest = sorted(kinds["mixed"], key=lambda s: sum(d for _, d, n in s if PREFILL_KERNEL in n))[:top]
+    lines.append(f"the {len(shortest)} mixed steps with the least prefill attention (us):")
+    lines += ["  " + ", ".join(f"{name[:28]} {us:.0f}" for name, us in _per_step([s])[:8]) for s in shortest]
+    return lines
+
+
+def _per_step(steps: list[list[tuple[float, float, str]]]) -> list[tuple[str, float]]:
+    """(kernel name, us a step) over `steps`, largest first."""
+    total: dict[str, float] = defaultdict(float)
+    for step in steps:
+        for _, dur, name in step:
+            total[name] += dur
+    return sorted(((n, us / len(steps)) for n, us in total.items()), key=lambda kv: -kv[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("b", nargs="?")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--by-step", action="store_true", help="one trace's mixed and decode steps apart")
     args = p.parse_args()
+    if args.by_step or args.b is None:
+        print("\n".join(by_step(load_kernels(args.a), args.top)))
+        return
     a, b = summary(load_kernels(args.a)), summary(load_kernels(args.b))
     print("\n".join(report(f"A {args.a}", a, args.top) + report(f"B {args.b}", b, args.top) + side_by_side(a, b)))
 
