@@ -8,6 +8,7 @@ from kvserve.request import PENDING_TOKEN, Request
 from kvserve.runner.batch import build_host_batch, to_model_inputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import ScheduledRequest
+from tests import random_traffic
 
 
 def _random_request(rng: random.Random, i: int) -> Request:
@@ -121,18 +122,7 @@ def test_rows_from_the_decode_streak_equal_rows_read_request_by_request():
             raise RequestFailed([], RuntimeError("injected"))
         return run(*args, **kwargs)
     engine.runner.run = flaky_run
-    requests = []
-    for _ in range(400):
-        if rng.random() < 0.25 and len(requests) < 60:
-            params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True,
-                                    stop_token_ids=[rng.randrange(3, 256)] if rng.random() < 0.3 else None)
-            requests.append(engine.make_request([rng.randrange(3, 256) for _ in range(rng.randint(1, 30))], params))
-            engine.add_request(requests[-1])
-        if rng.random() < 0.03 and engine.scheduler.running:
-            engine.abort_request(rng.choice(engine.scheduler.running).request_id)
-        engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
+    requests = random_traffic.drive(engine, rng, steps=400, max_requests=60, arrive=0.25, stop_tokens=0.3)
     assert counts["fast"] > 50 and counts["read"] > 50 and counts["failed"] > 3, counts
     assert engine.scheduler.num_preemptions > 0, engine.scheduler.num_preemptions
     assert all(r.is_finished for r in requests)

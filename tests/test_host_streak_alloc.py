@@ -16,6 +16,7 @@ from kvserve.cache.kv_cache_manager import KVCacheManager
 from kvserve.cache.specs import FullAttentionSpec, SlidingWindowSpec
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
+from tests import random_traffic
 
 FULL = FullAttentionSpec()
 # Two full groups (rooms of two tails each), one full, and one that drops blocks (no rooms).
@@ -127,17 +128,7 @@ def test_an_engine_s_decode_rows_equal_the_row_by_row_allocation():
         counts["opened"] += kv.pool.num_free_blocks < opened
         return done
     kv.allocate_decode_rows = checked
-    requests = []
-    for _ in range(300):
-        if rng.random() < 0.2 and len(requests) < 50:
-            params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True)
-            requests.append(engine.make_request([rng.randrange(3, 256) for _ in range(rng.randint(1, 30))], params))
-            engine.add_request(requests[-1])
-        if rng.random() < 0.03 and engine.scheduler.running:
-            engine.abort_request(rng.choice(engine.scheduler.running).request_id)
-        engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
+    requests = random_traffic.drive(engine, rng, steps=300, max_requests=50, arrive=0.2)
     assert counts["calls"] > 50 and counts["stopped"] > 0 and counts["opened"] > 10, counts
     assert engine.scheduler.num_preemptions > 0
     assert all(r.is_finished for r in requests)
