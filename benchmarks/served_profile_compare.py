@@ -109,6 +109,8 @@ def largest_gap(step: list[tuple[float, float, str]]) -> float:
 
 
 def by_step(kernels: list[tuple[float, float, str]], top: int) -> list[str]:
+    """`--by-step`'s lines (module doc): each kind's medians and top kernels, then the `top`
+    mixed steps with the least prefill attention, kernel by kernel."""
     kinds: dict[str, list] = {"mixed": [], "decode": []}
     for step in steps_of(kernels):
         kinds["mixed" if any(PREFILL_KERNEL in n for _, _, n in step) else "decode"].append(step)

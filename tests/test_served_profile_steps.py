@@ -31,4 +31,5 @@ def test_by_step_splits_mixed_from_decode():
     assert lines[0].startswith("mixed: 1 steps, span 96 us") and "longest gap of all: 30 us" in lines[0]
     decode = next(line for line in lines if line.startswith("decode:"))
     assert decode.startswith("decode: 2 steps, span 66 us")
-    assert "  _prefill_kernel 10, _prefill_reduce_kernel 5" in lines[-1] or "_prefill_kernel 10" in lines[-1]
+    assert lines[-2:] == ["the 1 mixed steps with the least prefill attention (us):",
+                          "  gemm 50, _prefill_kernel 10, _prefill_reduce_kernel 5, reduce_kernel<ArgMaxOps> 1"]
