@@ -1,5 +1,5 @@
 """The seed scenarios offline and uncapped, one engine per process: qa, long-doc, code-review and
-ide-completion from `kvserve.bench.workloads` (seed 0), as token ids from one tokenizer, through
+ide-completion from `kvserve.bench.workloads` (seed 0; `--seeds` repeats them with other prompts), as token ids from one tokenizer, through
 kvserve's or vLLM's `LLM.generate` (greedy, ignore_eos, each request's own max_tokens), each
 scenario timed on its own after one warm-up request.
 
@@ -35,8 +35,8 @@ def waves(requests: list[WorkloadRequest]) -> list[list[WorkloadRequest]]:
     return [[r for r, d in zip(requests, depth) if d == k] for k in range(max(depth) + 1)]
 
 
-def scenario_requests(name: str, count: int, model_dir: str) -> list[WorkloadRequest]:
-    return token_id_prompts(WorkloadGenerator(seed=0).generate(name, count), model_dir)
+def scenario_requests(name: str, count: int, model_dir: str, seed: int = 0) -> list[WorkloadRequest]:
+    return token_id_prompts(WorkloadGenerator(seed=seed).generate(name, count), model_dir)
 
 
 def kvserve_runner(model_dir: str) -> Callable[[list[WorkloadRequest]], int]:
@@ -81,12 +81,12 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     warm = scenario_requests("qa", 1, a.model_dir)
     run(warm)
     results = {}
-    for name in a.scenarios:
+    for seed, name in ((seed, name) for seed in a.seeds for name in a.scenarios):
         requests = scenario_requests(name, DEFAULT_COUNTS[name] if a.num_prompts is None else a.num_prompts,
-                                     a.model_dir)
-        results[name] = time_scenario(run, requests, a.turn_waves)
-        r = results[name]
-        print(f"{a.engine:8s} {name:15s} {r['requests']:5d} req {r['prompt_tokens']:8d} in "
+                                     a.model_dir, seed)
+        key = name if seed == 0 else f"{name}@{seed}"
+        r = results[key] = time_scenario(run, requests, a.turn_waves)
+        print(f"{a.engine:8s} {key:17s} {r['requests']:5d} req {r['prompt_tokens']:8d} in "
               f"{r['output_tokens']:8d} out {r['seconds']:8.2f} s {r['output_tokens'] / r['seconds']:9.1f} out tok/s",
               flush=True)
     return {"engine": a.engine, "scenarios": results}
@@ -114,6 +114,9 @@ def main() -> None:
     p.add_argument("--model-dir", help="config.json + tokenizer (benchmarks/make_dummy_model.py); dummy weights")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--num-prompts", type=int, default=None, help=f"per scenario (default {DEFAULT_COUNTS})")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="workload seeds, each scenario once per seed in this order (its own prompts: a "
+                        "repeat that hits no prefix cached by the one before); results as NAME@SEED past 0")
     p.add_argument("--turn-waves", action="store_true", help="code review: each turn after the one before")
     p.add_argument("--save-json", default=None)
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))

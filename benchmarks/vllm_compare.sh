@@ -27,7 +27,9 @@
 #   stage 6  carry [".dummy-qwen3-8b"]:               vLLM's burst prefill profile (about 140 s of
 #                                                     start-up; BURST=0 skips it); with OFFLINE=1 its
 #                                                     offline seed scenarios
-#   stage 7  carry [".dummy-qwen3-8b"]:               kvserve's offline seed scenarios alone (after stage 3)
+#   stage 7  carry [".dummy-qwen3-8b"]:               kvserve's offline seed scenarios alone (after stage 3);
+#                                                     OFFLINE_ARGS adds offline_scenarios.py flags to both engines'
+#                                                     runs (e.g. "--scenarios ide-completion --seeds 0 1 2")
 #   stage 8  (no carry needed):                       the Gluon probes on the GPU (benchmarks/gluon_*_probe.py:
 #                                                     each variant checked against float32, then timed)
 #   stage 9  (after stages 4 and 5 with PROFILE_SECONDS=N): the two servers' /start_profile windows
@@ -84,7 +86,7 @@ gpu_tests() {
 }
 offline() {  # engine, seconds
   PYTHONPATH=$PWD:$PWD/.vsite timeout $2 python3 benchmarks/offline_scenarios.py --engine $1 \
-    --model-dir "$PWD/.dummy-qwen3-8b" --save-json "$OUT/offline_$1.json" 2>&1 \
+    --model-dir "$PWD/.dummy-qwen3-8b" --save-json "$OUT/offline_$1.json" ${OFFLINE_ARGS:-} 2>&1 \
     | grep -E "^(kvserve|vllm) |Error|error" | tail -12
 }
 unpack() {  # vLLM's stream (.vp1 + .vp2 + .vp2b) into .vsite

@@ -403,17 +403,6 @@ def test_prefill_fixed_split_counts(num_splits, spec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_split_keys", [32, 128, 512])
-@pytest.mark.parametrize("spec", MIXED_SPECS, ids=lambda s: s.describe())
-def test_prefill_tile_split_keys(tile_split_keys, spec):
-    """Splits sized by each query tile's own keys: of the launch's 16, a tile uses those that
-    get `tile_split_keys` keys each; a tile on one split writes its rows, the reduce skips it."""
-    from kvserve.attention.kernels import PrefillConfig
-    config = PrefillConfig(num_splits=16, tile_split_keys=tile_split_keys)
-    assert check_attention(MIXED, spec, 16, seed=tile_split_keys, prefill_config=config) < TOL
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_mixed_batch_rows_go_to_their_kernel(block_size):
     check_row_ownership("cuda", torch.bfloat16, heads=32, kv_heads=8, head_dim=128, block_size=block_size)
@@ -478,13 +467,6 @@ def interpreter_smoke() -> None:
             err = check_attention(mixed + [(4, 20)], spec, block_size, heads=4, kv_heads=2, head_dim=16,
                                   device="cpu", dtype=torch.float16, prefill_config=config)
             assert err < TOL, (num_splits, spec, err)
-    # Splits sized by each tile's own keys (`tile_split_keys`): a tile of few keys runs on
-    # fewer splits than the launch's, one of under 16 on one, which writes its rows itself.
-    for spec, block_size in ((full, 8), (sink, 16)):
-        config = PrefillConfig(block_m=16, block_n=8, num_splits=5, tile_split_keys=16)
-        err = check_attention(mixed + [(4, 20), (150, 9), (9, 2)], spec, block_size, heads=4, kv_heads=2,
-                              head_dim=16, device="cpu", dtype=torch.float16, prefill_config=config)
-        assert err < TOL, (spec, err)
     # Several splits per sequence (empty ones included), the newest key in the last.
     from kvserve.attention.kernels import DecodeConfig
     for fused_write in (False, True):

@@ -25,7 +25,6 @@ allows two a SM), so graphs keep their tile tables short (`runner/mixed_graph.py
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,11 +55,6 @@ class PrefillConfig:
     num_stages: int = 4
     waves: int = 2                 # split small steps up to this many programs per SM
     min_split_keys: int = 256      # never split a context below this many keys per program
-    # Keys a program takes at least, per query tile, from the tile's own visible keys: a tile
-    # with fewer than num_splits times as many runs on fewer splits, the rest exit (0: every
-    # split takes a share, as before). The launch's split count is planned from the longest
-    # context, or a CUDA graph's bound, which may be far past the tile's own.
-    tile_split_keys: int = int(os.environ.get("KVSERVE_PREFILL_TILE_SPLIT_KEYS", "0"))
     num_splits: int | None = None  # fixed split count (tests, sweeps); None = `plan_splits`
     # Whole key tiles before a query tile's first query run without masks (full attention);
     # False masks every tile, as the kernel did before (bench A/B).
@@ -211,7 +205,7 @@ def _prefill_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
-    DIRECT: tl.constexpr, UNMASKED_BEFORE: tl.constexpr, TILE_SPLIT_KEYS: tl.constexpr,
+    DIRECT: tl.constexpr, UNMASKED_BEFORE: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     seq, q_tile, q_start, q_len, idle = _program_tile(query_start_loc_ptr, tile_seq_ptr, tile_q_ptr, max_q_len,
@@ -221,10 +215,6 @@ def _prefill_kernel(
     kv_head = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_pos, hi, lo, sink_end, used = _tile_keys(seq_len, q_len, q_tile, window, sink, num_splits,
-                                                   BLOCK_Q, SLIDING, TILE_SPLIT_KEYS)
-    if split >= used:  # the tile's keys fit fewer splits: the reduce merges `used`
-        return
 
     tok, group_head, row_valid = _tile_rows(q_tile, q_len, GROUP, BLOCK_M)
     head = kv_head * GROUP + group_head
@@ -234,7 +224,10 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offs + dims[None, :], mask=row_valid[:, None], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
 
-    start, end = split_range(sink_end + hi - lo, split, used, BLOCK_N)
+    first_pos = seq_len - q_len + q_tile * BLOCK_Q
+    hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    lo, sink_end = visible_range(first_pos, window, sink, SLIDING)
+    start, end = split_range(sink_end + hi - lo, split, num_splits, BLOCK_N)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head * stride_cache_head
 
@@ -244,39 +237,16 @@ def _prefill_kernel(
                                     PAGE_SIZE, BLOCK_N, SLIDING, DOT_PRECISION, UNMASKED_BEFORE)
     # A split past a row's causal limit holds none of its keys: it merges as weight 0.
     token = (q_start + tok).to(tl.int64)
-    if DIRECT:
-        store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, token, head, row_valid,
-                    split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, True)
-    elif used == 1:  # the tile's only split writes its output; the reduce skips the tile
-        store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, token, head, row_valid,
-                    split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, True)
-    else:
-        store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, token, head, row_valid,
-                    split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, False)
-
-
-@triton.jit
-def _tile_keys(seq_len, q_len, q_tile, window, sink, num_splits, BLOCK_Q: tl.constexpr,
-               SLIDING: tl.constexpr, TILE_SPLIT_KEYS: tl.constexpr):
-    """A query tile's first query position, the end of its keys, its visible range
-    (`visible_range`) and the splits its keys use: all `num_splits`, or with
-    TILE_SPLIT_KEYS, as many as give each at least that many keys (at least one)."""
-    first_pos = seq_len - q_len + q_tile * BLOCK_Q
-    hi = tl.minimum(first_pos + BLOCK_Q, seq_len)
-    lo, sink_end = visible_range(first_pos, window, sink, SLIDING)
-    used = num_splits + q_len * 0
-    if TILE_SPLIT_KEYS > 0:
-        used = tl.maximum(tl.minimum(used, (sink_end + hi - lo) // TILE_SPLIT_KEYS), 1)
-    return first_pos, hi, lo, sink_end, used
+    store_split(out_ptr, part_out_ptr, part_lse_ptr, m_i, l_i, acc, token, token, head, row_valid,
+                split, num_splits, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, DIRECT)
 
 
 @triton.jit(do_not_specialize=["num_splits", "max_q_len"])
 def _prefill_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_ptr,
-    stride_ot, stride_oh, num_splits, max_q_len, window, sink,
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, tile_seq_ptr, tile_q_ptr,
+    stride_ot, stride_oh, num_splits, max_q_len,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
     SPLITS_POW2: tl.constexpr, TILED: tl.constexpr, SKIP_SINGLE: tl.constexpr,
-    SLIDING: tl.constexpr, TILE_SPLIT_KEYS: tl.constexpr,
 ):
     """Merge the splits of one query token's GQA group of heads. The grid is
     the attention launch's with BLOCK_Q tokens a tile on axis 1 and no split
@@ -288,18 +258,11 @@ def _prefill_reduce_kernel(
     tok = q_tile * BLOCK_Q + tl.program_id(1) % BLOCK_Q
     if idle | (tok >= q_len):
         return
-    used = num_splits
-    if TILE_SPLIT_KEYS > 0:
-        seq_len = tl.load(seq_lens_ptr + seq)
-        _, _, _, _, used = _tile_keys(seq_len, q_len, q_tile, window, sink, num_splits, BLOCK_Q, SLIDING,
-                                      TILE_SPLIT_KEYS)
-        if used == 1:  # written by its one split
-            return
     token = (q_start + tok).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
     for g in tl.static_range(GROUP):
         head = tl.program_id(2) * GROUP + g
-        out = merge_splits(part_out_ptr, part_lse_ptr, (token * NUM_HEADS + head) * num_splits, used,
+        out = merge_splits(part_out_ptr, part_lse_ptr, (token * NUM_HEADS + head) * num_splits, num_splits,
                            SPLITS_POW2, HEAD_DIM)
         tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -348,15 +311,14 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         BLOCK_M=block_m, BLOCK_N=config.block_n, SLIDING=window is not None,
         DOT_PRECISION=dot_precision(kv_cache.dtype), TILED=tiles is not None,
         SKIP_SINGLE=not single_queries, DIRECT=direct, UNMASKED_BEFORE=config.unmasked_before,
-        TILE_SPLIT_KEYS=config.tile_split_keys, num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if not direct:
         _prefill_reduce_kernel[(grid[0], grid[1] * block_q, num_kv_heads)](
-            part_out, part_lse, out, query_start_loc, seq_lens, tile_seq, tile_q,
-            out.stride(0), out.stride(1), num_splits, only_up_to, window or 0, sink,
+            part_out, part_lse, out, query_start_loc, tile_seq, tile_q,
+            out.stride(0), out.stride(1), num_splits, only_up_to,
             NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q,
             SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)),
-            TILED=tiles is not None, SKIP_SINGLE=not single_queries, SLIDING=window is not None,
-            TILE_SPLIT_KEYS=config.tile_split_keys, num_warps=2)
+            TILED=tiles is not None, SKIP_SINGLE=not single_queries, num_warps=2)
     return out
 
 
