@@ -164,3 +164,33 @@ def test_client_processes_take_whole_conversations_in_schedule_order():
             assert r.prompt == requests[i].prompt
             if r.after is not None:
                 assert indices[r.after] == requests[i].after and r.after < local
+
+
+def test_client_process_warms_up_before_its_schedule(monkeypatch):
+    """A client process sends `BenchClient.warm_up` before its first timed request, so its HTTP
+    stack's set-up is not counted in that request's TTFT."""
+    import asyncio
+    import time
+    from kvserve.bench import serve, serve_processes
+    calls = []
+
+    class Recorder:
+        def __init__(self, *args):
+            pass
+
+        async def warm_up(self):
+            calls.append(("warm_up", time.time()))
+
+        async def complete(self, request):
+            calls.append(("complete", time.time()))
+            return serve.RequestResult(request.scenario)
+
+        async def close(self):
+            calls.append(("close", time.time()))
+    monkeypatch.setattr(serve, "BenchClient", Recorder)
+    requests = generate_workload("qa", 2, seed=0)
+    start_wall = time.time() + 0.2
+    rows = asyncio.run(serve_processes._part("http://x", "m", True, 5.0, requests, [0.0, 0.01], start_wall, None))
+    assert [name for name, _ in calls] == ["warm_up", "complete", "complete", "close"]
+    assert calls[0][1] < start_wall <= calls[1][1] + 0.005
+    assert len(rows) == 2 and all(r.sent >= 0.0 for r in rows)

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from kvserve.bench.workloads import WorkloadRequest
 
-LEAD_S = 2.0   # time for the processes to start (spawn, imports) before the first request is due
+LEAD_S = 2.0   # time for the processes to start (spawn, imports, `BenchClient.warm_up`) before the first request is due
 
 
 def owners(requests: list[WorkloadRequest], processes: int) -> list[int]:
@@ -75,6 +75,7 @@ async def _part(url, model, ignore_eos, timeout_s, requests, due, start_wall, li
     from kvserve.bench.serve import BenchClient, send_on_schedule
     client = BenchClient(url, model, ignore_eos, timeout_s)
     try:
+        await client.warm_up()
         return await send_on_schedule(client, requests, due, limit, time.perf_counter() + start_wall - time.time())
     finally:
         await client.close()
