@@ -12,9 +12,7 @@ v4_torch_ref.index_scores on a few rows; top-k: v4_torch_ref.top_k_mask on
 the kernel's own scores, exact); a variant that mismatches or fails to
 compile is reported, not timed. Then:
   * the sparse decode path (index scores + top-k + CSA attention) with the
-    old configs (the previous defaults) and the kernels' current defaults
-    (the score kernel writing the top-k's group maxima where they fit its
-    tile, as the engine's `index_top_k`; KVSERVE_V4_SHARED_MAXIMA=0: not);
+    old configs (the previous defaults) and the kernels' current defaults;
   * a grid per kernel: attention (inline / planned / prefetch rows, BLOCK_N,
     num_warps, num_stages, heads per program, splits), scores (tile, waves,
     warps, stages), top-k (radix bits, warps, tile);
@@ -47,7 +45,6 @@ from kvserve.bench.kernels import copy_bandwidth_gbs  # noqa: E402
 from kvserve.cache.v4_specs import V4KVLayout  # noqa: E402
 from kvserve.model.deepseek_v4 import kernels  # noqa: E402
 from kvserve.model.deepseek_v4.kernels import PageRef, SparseAttentionConfig, V4PagedBatch  # noqa: E402
-from kvserve.model.deepseek_v4.kernels import indexer  # noqa: E402
 from kvserve.model.deepseek_v4.kernels.indexer import ScoreConfig, TopKConfig  # noqa: E402
 from kvserve.model.deepseek_v4.kernels.sparse_attention import GLUON_CONFIG  # noqa: E402
 
@@ -96,22 +93,12 @@ class DecodePages:
         self.scores = torch.empty(batch, context // CSA_RATE, dtype=torch.float32, device=DEVICE)
         self.indices = torch.empty(batch, TOPK, dtype=torch.int32, device=DEVICE)
         self.out = torch.empty_like(self.q)
-        self.scratch = indexer.top_k_scratch(batch, context // CSA_RATE, TOPK, DEVICE)
-        self.maxima_group = 0   # the group whose maxima the last score launch left in the scratch
 
-    def index_scores(self, config: ScoreConfig | None = None, top_k: TopKConfig | None = None) -> None:
-        """The scores, and the group maxima of `top_k`'s shortcut where the score kernel writes them
-        (`indexer.shared_group`), as `index_top_k` does."""
-        group = indexer.shared_group(self.scores.shape[1], TOPK, config, top_k)
-        kernels.index_scores(self.q_index, self.weights, self.csa, D, self.batch, CSA_RATE, self.scores, config,
-                             maxima=self.scratch, group=group)
-        self.maxima_group = group
+    def index_scores(self, config: ScoreConfig | None = None) -> None:
+        kernels.index_scores(self.q_index, self.weights, self.csa, D, self.batch, CSA_RATE, self.scores, config)
 
     def top_k(self, config: TopKConfig | None = None) -> None:
-        """Reading the score kernel's maxima where they are the groups of `config`'s shortcut."""
-        plan_group = indexer.shared_group(self.scores.shape[1], TOPK, None, config)
-        group = self.maxima_group if self.maxima_group == plan_group else 0
-        kernels.top_k_indices(self.scores, self.batch, CSA_RATE, TOPK, self.indices, config, self.scratch, group)
+        kernels.top_k_indices(self.scores, self.batch, CSA_RATE, TOPK, self.indices, config)
 
     def attend(self, kind: str, config: SparseAttentionConfig | None = None) -> None:
         entries, indices, rate = (self.csa, self.indices, CSA_RATE) if kind == "csa" else (self.hca, None, HCA_RATE)
@@ -119,7 +106,7 @@ class DecodePages:
                                  self.batch, self.out, config)
 
     def csa_step(self, configs: "PathConfigs") -> None:
-        self.index_scores(configs.scores, configs.top_k)
+        self.index_scores(configs.scores)
         self.top_k(configs.top_k)
         self.attend("csa", configs.attention)
 

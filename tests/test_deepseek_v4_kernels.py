@@ -268,7 +268,6 @@ def check_indexer(seqs, block_size: int, dtype: torch.dtype, device: str, seed: 
     kernels.index_scores(q, weights, page, config.head_dim, case.batch, rate, scores)
     out = torch.full((T, config.index_topk), 12345, dtype=torch.int32, device=device)
     kernels.top_k_indices(scores, case.batch, rate, config.index_topk, out)
-    check_shared_maxima(q, weights, page, config, case, rate, scores, out)
     starts, worst = case.starts(), 0.0
     for s, (c, n) in enumerate(case.seqs):
         rows, count = slice(starts[s], starts[s + 1]), (c + n) // rate
@@ -280,52 +279,6 @@ def check_indexer(seqs, block_size: int, dtype: torch.dtype, device: str, seed: 
         worst = max(worst, rel_err(got, torch.where(visible, expected, 0.0), [0, n]))
         check_top_k_rows(out[rows], scores[rows, :count], visible, config.index_topk)
     return worst
-
-
-def check_shared_maxima(q, weights, page, config, case, rate: int, scores: torch.Tensor, out: torch.Tensor) -> None:
-    """Where the top-k shortcut's groups fit a score tile, the score kernel's group maxima
-    (`shared_group`) give the same scores and exactly the same indices as the top-k
-    kernel's own; the buffers start poisoned."""
-    from kvserve.model.deepseek_v4.kernels import indexer
-    width, k, T = case.batch.max_seq_len // rate, config.index_topk, case.batch.num_tokens
-    group = indexer.shared_group(width, k)
-    if not group:
-        return
-    scratch = indexer.top_k_scratch(T, width, k, scores.device).fill_(-7)
-    shared_scores = torch.full_like(scores, float("nan"))
-    indexer.index_scores(q, weights, page, config.head_dim, case.batch, rate, shared_scores, maxima=scratch,
-                         group=group)
-    shared = torch.full_like(out, 12345)
-    indexer.top_k_indices(shared_scores, case.batch, rate, k, shared, scratch=scratch, maxima_group=group)
-    assert torch.equal(shared_scores.nan_to_num(7.0), scores.nan_to_num(7.0))
-    assert torch.equal(shared, out), "the score kernel's group maxima chose other entries"
-    # With every score negative a row's last, partial group holds its valid entries' maximum alone.
-    indexer.index_scores(q, -weights.abs(), page, config.head_dim, case.batch, rate, shared_scores,
-                         maxima=scratch, group=group)
-    entries = (case.batch.positions + 1) // rate
-    for t in range(T):
-        n = int(entries[t])
-        groups = -(-n // group)
-        padded = torch.full((groups * group,), float("-inf"), device=scores.device)
-        padded[:n] = shared_scores[t, :n]
-        want = sortable_keys(padded.view(groups, group).amax(1))
-        assert torch.equal(scratch[t, :groups], want), (t, "group maxima")
-    # The top-k reads them: maxima of the largest key leave no candidate, and the rows that
-    # take the shortcut then differ from the right ones.
-    shared.fill_(12345)
-    indexer.top_k_indices(scores, case.batch, rate, k, shared, scratch=scratch.fill_(-1), maxima_group=group)
-    assert not torch.equal(shared, out), "the top-k kernel did not read the score kernel's group maxima"
-    SHARED_MAXIMA_CHECKED.append(group)
-
-
-def sortable_keys(scores: torch.Tensor) -> torch.Tensor:
-    """`indexer._sortable` in torch, as int32: uint32 keys ordered as the float32 scores."""
-    bits = torch.where(scores == 0.0, 0.0, scores).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    keys = torch.where(bits >> 31 == 1, ~bits & 0xFFFFFFFF, bits | 0x80000000)
-    return ((keys + 2**31) % 2**32 - 2**31).to(torch.int32)
-
-
-SHARED_MAXIMA_CHECKED: list[int] = []
 
 
 def top_k_config(**fields):
@@ -537,7 +490,6 @@ def _patch_interpreter_scalar_index() -> None:
 
 # (computed, new): prefill chunks that start and end inside compression windows, fresh prompts, decodes.
 CPU_SEQS = [(0, 13), (6, 11), (21, 1), (3, 1), (34, 7)]
-CPU_LONG_INDEX = [(300, 5), (120, 1), (0, 9), (257, 1)]
 CPU_HCA128 = [(250, 9), (0, 5), (127, 1)]
 
 
@@ -554,12 +506,9 @@ def interpreter_checks() -> None:
         assert err < tol, ("compressor hca128", block_size, dtype, err)
         err = check_indexer(CPU_SEQS, block_size, dtype, "cpu", seed)
         assert err < tol, ("indexer", block_size, dtype, err)
-        err = check_indexer(CPU_LONG_INDEX, block_size, dtype, "cpu", seed)  # the top-k shortcut's rows
-        assert err < tol, ("indexer, long rows", block_size, dtype, err)
         for kind in (CSA, HCA, SLIDING):
             err = check_attention(kind, CPU_SEQS, block_size, dtype, "cpu", seed)
             assert err < tol, ("attention", kind, block_size, dtype, err)
-    assert SHARED_MAXIMA_CHECKED, "no check ran the score kernel's group maxima"
     check_top_k_ties(16, "cpu", 1)
     check_top_k_ties(16, "cpu", 2, top_k_config(radix_bits=4))
     check_top_k_candidates("cpu", 8, [1000, 900, 700, 90, 31, 300], 4)
@@ -661,19 +610,18 @@ def test_kernels_compile_for_sm90():
             "index_ptr", "seq_idx_ptr", "pos_ptr", "plan_ptr")}, {"RATE": rate, "PAGE_SIZE": 16, "IS_CSA": csa,
                                                                  "ROW_ALIGN": 16, "BLOCK": attention.PLAN_BLOCK}, 4,
                          1, ints)
-    for key_rows, group in ((True, 0), (False, 0), (True, 16)):
+    for key_rows in (True, False):
         compile_for_sm90(indexer._index_scores_kernel, common | {
-            "q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32", "scores_ptr": "*fp32", "maxima_ptr": "*i32"},
+            "q_ptr": "*bf16", "w_ptr": "*fp32", "table_ptr": "*i32", "scores_ptr": "*fp32"},
             {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64, "DOT_PRECISION": "tf32",
-             "KEY_ROWS": key_rows, "GROUP": group}, 4, 3, ints, frozenset({"scale"}))
+             "KEY_ROWS": key_rows}, 4, 3, ints, frozenset({"scale"}))
     top_k, warps = indexer.TOP_K_CONFIG, indexer.TOP_K_CONFIG.num_warps  # at 128K: 32K-score rows in tiles
-    for group, block_g, cand, ready in ((0, 1, 1, False), (16, 2048, 2048, False), (16, 2048, 2048, True)):
+    for group, block_g, cand in ((0, 1, 1), (16, 2048, 2048)):
         compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
                                                  "pos_ptr": "*i64", "scratch_ptr": "*i32"},
                          {"RATE": 4, "BLOCK": top_k.max_tile, "BLOCK_K": 512, "BITS": top_k.radix_bits,
                           "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand,
-                          "COMPACT": min(top_k.max_tile, 32 * indexer.COMPACT_PER_THREAD * warps),
-                          "MAXIMA_READY": ready}, warps)
+                          "COMPACT": min(top_k.max_tile, 32 * indexer.COMPACT_PER_THREAD * warps)}, warps)
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {
             "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
@@ -740,9 +688,7 @@ def test_compressor_gpu(kind, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_indexer_gpu(block_size):
-    SHARED_MAXIMA_CHECKED.clear()
     assert check_indexer(GPU_INDEXER_SEQS, block_size, BF16, "cuda", block_size, shape="flash") < TOL[BF16]
-    assert SHARED_MAXIMA_CHECKED, "the rows never took the score kernel's group maxima"
 
 
 @pytest.mark.gpu

@@ -20,13 +20,9 @@ distinct entries, so T >= the k-th largest maximum L). Entries >= L are few
 them, in entry order, into a buffer of `groups_per_k` x k and the radix passes run on that
 tile in registers: two passes over the row instead of one per radix digit.
 A row whose candidates overflow the buffer (heavy ties) takes the full passes.
-Where a group fits one score tile, the score kernel writes the maxima as it
-writes the scores (`shared_group`, `index_top_k`), so the top-k reads each
-row once, in the compaction.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +77,9 @@ TOP_K_CONFIG = TopKConfig(radix_bits=4, max_tile=4096, num_warps=8)  # the H200 
 @triton.jit(do_not_specialize=["stride_table"])
 def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_ptr, unit, key_offset,
                          key_width, table_ptr, stride_table, scores_ptr, stride_st, seq_idx_ptr, pos_ptr,
-                         num_heads, chunk, scale, maxima_ptr, stride_mt, RATE: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_ROWS: tl.constexpr,
-                         GROUP: tl.constexpr):
+                         num_heads, chunk, scale, RATE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, KEY_ROWS: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -101,7 +96,6 @@ def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_
     weights = tl.load(w_ptr + t.to(tl.int64) * stride_wt + heads, mask=head_mask, other=0.0)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
     score_row = scores_ptr + t.to(tl.int64) * stride_st
-    maxima_row = maxima_ptr + t.to(tl.int64) * stride_mt
     for e0 in range(start, end, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         valid = e < end
@@ -114,10 +108,6 @@ def _index_scores_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, storage_
             s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale
             score = tl.sum(s * weights[:, None], 0)
         tl.store(score_row + e, score, mask=valid)
-        if GROUP > 0:  # the top-k shortcut's group maxima as `_group_bound` finds them (chunks hold whole groups)
-            best = tl.max(tl.reshape(tl.where(valid, score, float("-inf")), [BLOCK_E // GROUP, GROUP]), 1)
-            g = e0 // GROUP + tl.arange(0, BLOCK_E // GROUP)
-            tl.store(maxima_row + g, _sortable(best).to(tl.int32, bitcast=True), mask=g * GROUP < end)
 
 
 @triton.jit
@@ -220,18 +210,16 @@ def _store_chosen(out_row, taken, entries, chosen):
 
 @triton.jit
 def _group_bound(score_row, max_row, num_entries, num_groups, k, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_G: tl.constexpr, BITS: tl.constexpr, MAXIMA_READY: tl.constexpr):
+                 BLOCK_G: tl.constexpr, BITS: tl.constexpr):
     """A key <= the row's k-th largest: the top digits of the k-th largest of
-    the maxima over groups of GROUP entries (written to max_row, read back;
-    MAXIMA_READY: the score kernel wrote them there)."""
-    if not MAXIMA_READY:
-        for e0 in range(0, num_entries, BLOCK):  # maxima of the scores (float: order as their keys)
-            e = e0 + tl.arange(0, BLOCK)
-            score = tl.load(score_row + e, mask=e < num_entries, other=float("-inf"))
-            group_max = _sortable(tl.max(tl.reshape(score, [BLOCK // GROUP, GROUP]), 1))
-            g = e0 // GROUP + tl.arange(0, BLOCK // GROUP)
-            tl.store(max_row + g, group_max.to(tl.int32, bitcast=True), mask=g < num_groups)
-        tl.debug_barrier()  # the maxima are read back by other threads of the program
+    the maxima over groups of GROUP entries (written to max_row, read back)."""
+    for e0 in range(0, num_entries, BLOCK):  # maxima of the scores (float: order as their keys)
+        e = e0 + tl.arange(0, BLOCK)
+        score = tl.load(score_row + e, mask=e < num_entries, other=float("-inf"))
+        group_max = _sortable(tl.max(tl.reshape(score, [BLOCK // GROUP, GROUP]), 1))
+        g = e0 // GROUP + tl.arange(0, BLOCK // GROUP)
+        tl.store(max_row + g, group_max.to(tl.int32, bitcast=True), mask=g < num_groups)
+    tl.debug_barrier()  # the maxima are read back by other threads of the program
     g = tl.arange(0, BLOCK_G)
     maxima = tl.load(max_row + g, mask=g < num_groups, other=0).to(tl.uint32, bitcast=True)
     bound, _, _ = _radix_tile(maxima, g < num_groups, k, BITS)
@@ -286,7 +274,7 @@ def _top_k_full(score_row, out_row, num_entries, k, BLOCK: tl.constexpr, BITS: t
 def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, scratch_ptr, stride_scratch,
                   RATE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
                   ONE_TILE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAND: tl.constexpr,
-                  COMPACT: tl.constexpr, MAXIMA_READY: tl.constexpr):
+                  COMPACT: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -303,8 +291,7 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
         num_groups = (num_entries + GROUP - 1) // GROUP
         if num_groups >= k:
             scratch_row = scratch_ptr + t.to(tl.int64) * stride_scratch
-            bound = _group_bound(score_row, scratch_row, num_entries, num_groups, k, BLOCK, GROUP, BLOCK_G, BITS,
-                                 MAXIMA_READY)
+            bound = _group_bound(score_row, scratch_row, num_entries, num_groups, k, BLOCK, GROUP, BLOCK_G, BITS)
             count = _compact_candidates(score_row, scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND,
                                         num_entries, bound, COMPACT, CAND)
             full = count > CAND
@@ -323,15 +310,12 @@ def _score_chunk(num_tokens: int, max_entries: int, device: torch.device, config
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
-                 rate: int, scores: torch.Tensor, config: ScoreConfig | None = None,
-                 maxima: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
+                 rate: int, scores: torch.Tensor, config: ScoreConfig | None = None) -> torch.Tensor:
     """scores[t, e] for e < (p_t + 1) // rate (the rest of each row is not written).
 
     q [T, H, d] (rope applied), weights [T, H] float32 (the head weights with
     the 1/sqrt(H) factor), keys: the entry pages, whose indexer keys start at
-    column `key_col`; scores [T, >= max_seq_len // rate] float32. With `group`
-    (`shared_group`), also the top-k shortcut's group maxima, as sortable keys,
-    into the first columns of `maxima` (`top_k_scratch`)."""
+    column `key_col`; scores [T, >= max_seq_len // rate] float32."""
     num_tokens, num_heads, head_dim = q.shape
     max_entries = batch.max_seq_len // rate
     if scores.shape[0] < num_tokens or scores.shape[1] < max_entries:
@@ -341,53 +325,16 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col:
     if num_tokens == 0 or max_entries == 0:
         return scores
     config = config if config is not None else SCORE_CONFIG
-    _check_maxima(maxima, group, num_tokens, triton.cdiv(max_entries, max(group, 1)), config)
-    chunk = _score_chunk(num_tokens, max_entries, q.device, config)  # whole tiles: whole groups
+    chunk = _score_chunk(num_tokens, max_entries, q.device, config)
     grid = (num_tokens, triton.cdiv(max_entries, chunk))
-    maxima = maxima if group else scores  # unread
     _index_scores_kernel[grid](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), batch.storage, batch.storage.stride(0),
         keys.offset + key_col, keys.width, keys.table, keys.table.stride(0), scores, scores.stride(0),
-        batch.seq_idx, batch.positions, num_heads, chunk, head_dim ** -0.5, maxima, maxima.stride(0), RATE=rate,
-        PAGE_SIZE=batch.block_size, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-        BLOCK_E=config.block_e, DOT_PRECISION=dot_precision(batch.storage.dtype), KEY_ROWS=config.key_rows,
-        GROUP=group, num_warps=config.num_warps, num_stages=config.num_stages)
+        batch.seq_idx, batch.positions, num_heads, chunk, head_dim ** -0.5, RATE=rate, PAGE_SIZE=batch.block_size,
+        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_E=config.block_e,
+        DOT_PRECISION=dot_precision(batch.storage.dtype), KEY_ROWS=config.key_rows, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return scores
-
-
-def _check_maxima(maxima: torch.Tensor | None, group: int, num_tokens: int, num_groups: int,
-                  config: ScoreConfig) -> None:
-    if not group:
-        return
-    if group & (group - 1) or group > config.block_e:
-        raise ValueError(f"group maxima need a power-of-two group within a score tile ({config.block_e}), "
-                         f"got {group}")
-    if maxima is None or maxima.dtype != torch.int32 or maxima.shape[0] < num_tokens \
-            or maxima.shape[1] < num_groups:
-        raise ValueError(f"group maxima need an int32 buffer of >= ({num_tokens}, {num_groups}), got "
-                         f"{None if maxima is None else (maxima.dtype, tuple(maxima.shape))}")
-
-
-def shared_group(max_entries: int, k: int, score_config: ScoreConfig | None = None,
-                 top_k_config: TopKConfig | None = None) -> int:
-    """Entries per group of the top-k shortcut when the score kernel writes the
-    group maxima (`index_scores(maxima=..., group=...)`): a group within one
-    score tile. 0: the top-k kernel finds them itself, a pass more over each
-    row (`KVSERVE_V4_SHARED_MAXIMA=0` asks for that)."""
-    if os.environ.get("KVSERVE_V4_SHARED_MAXIMA", "1") == "0":
-        return 0
-    group = _shortcut_plan(max_entries, k, top_k_config or TOP_K_CONFIG)[0]
-    return group if group <= (score_config or SCORE_CONFIG).block_e else 0
-
-
-def top_k_scratch(num_tokens: int, max_entries: int, k: int, device: torch.device,
-                  config: TopKConfig | None = None) -> torch.Tensor:
-    """The top-k kernel's scratch rows for rows of up to `max_entries`: each
-    the shortcut's group maxima, then its candidates' keys and entries (one
-    unused row when the shortcut is off)."""
-    group, groups, candidates = _shortcut_plan(max_entries, k, config or TOP_K_CONFIG)
-    return torch.empty(num_tokens if group else 1, max(groups, 1) + 2 * max(candidates, 1), dtype=torch.int32,
-                       device=device)
 
 
 def _candidate_group(max_entries: int, k: int, block: int, groups_per_k: int) -> int:
@@ -413,11 +360,8 @@ def _shortcut_plan(max_entries: int, k: int, config: TopKConfig) -> tuple[int, i
 
 
 def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, out: torch.Tensor,
-                  config: TopKConfig | None = None, scratch: torch.Tensor | None = None,
-                  maxima_group: int = 0) -> torch.Tensor:
-    """out[t, :k]: token t's k best visible entries in ascending order, then -1.
-    `scratch` (`top_k_scratch`; else one is made); `maxima_group`: the group
-    whose maxima `index_scores` wrote there, the shortcut's own or 0."""
+                  config: TopKConfig | None = None) -> torch.Tensor:
+    """out[t, :k]: token t's k best visible entries in ascending order, then -1."""
     if out.shape[0] < batch.num_tokens or out.shape[1] < k or out.dtype != torch.int32:
         raise ValueError(f"top-k index buffer must be int32 with >= ({batch.num_tokens}, {k}) entries, got "
                          f"{out.dtype} {tuple(out.shape)}")
@@ -428,20 +372,14 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
     block = _tile(max_entries, config)
     num_warps = config.num_warps or max(4, min(16, block // 1024))
     group, block_g, cand = _shortcut_plan(max_entries, k, config)
-    if maxima_group not in (0, group):
-        raise ValueError(f"the scores' group maxima are of {maxima_group} entries, the top-k's groups of {group}")
     block_g, cand = max(block_g, 1), max(cand, 1)
-    if scratch is None:
-        scratch = top_k_scratch(batch.num_tokens, max_entries, k, scores.device, config)
-    elif scratch.shape[0] < (batch.num_tokens if group else 1) or scratch.shape[1] < block_g + 2 * cand:
-        raise ValueError(f"top-k scratch {tuple(scratch.shape)} is smaller than "
-                         f"({batch.num_tokens}, {block_g + 2 * cand})")
+    scratch = torch.empty(batch.num_tokens if group else 1, block_g + 2 * cand, dtype=torch.int32,
+                          device=scores.device)
     _top_k_kernel[(batch.num_tokens,)](
         scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, scratch, scratch.stride(0),
         RATE=rate, BLOCK=block, BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits,
         ONE_TILE=block >= max_entries, GROUP=group, BLOCK_G=block_g, CAND=cand,
-        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), MAXIMA_READY=maxima_group > 0,
-        num_warps=num_warps)
+        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), num_warps=num_warps)
     return out
 
 
@@ -452,17 +390,14 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
     Scores are a [tokens, max_seq_len // rate] float32 buffer: long prefill
     chunks at long contexts are scored SCORE_BUFFER_BYTES at a time (an
     8,192-token chunk at 1M tokens would need 8.6 GB at once), the top-k
-    shortcut's scratch counted in. The score kernel writes the shortcut's
-    group maxima where a group fits its tile (`shared_group`)."""
+    shortcut's scratch counted in."""
     width = max(1, batch.max_seq_len // rate)
     _, groups, candidates = _shortcut_plan(width, k, TOP_K_CONFIG)
     rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * (width + groups + 2 * candidates))))
     scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
-    scratch, group = top_k_scratch(rows, width, k, q.device), shared_group(width, k)
     out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q.device)
     for first in range(0, batch.num_tokens, rows):
-        part = batch.tokens(first, min(batch.num_tokens, first + rows))  # the same max_seq_len: width
-        index_scores(q[first:first + rows], weights[first:first + rows], keys, key_col, part, rate, scores,
-                     maxima=scratch, group=group)
-        top_k_indices(scores, part, rate, k, out[first:first + rows], scratch=scratch, maxima_group=group)
+        part = batch.tokens(first, min(batch.num_tokens, first + rows))
+        index_scores(q[first:first + rows], weights[first:first + rows], keys, key_col, part, rate, scores)
+        top_k_indices(scores, part, rate, k, out[first:first + rows])
     return out
