@@ -1,7 +1,8 @@
 """The seed scenarios offline and uncapped, one engine per process: qa, long-doc, code-review and
-ide-completion from `kvserve.bench.workloads` (seed 0; `--seeds` repeats them with other prompts), as token ids from one tokenizer, through
-kvserve's or vLLM's `LLM.generate` (greedy, ignore_eos, each request's own max_tokens), each
-scenario timed on its own after one warm-up request.
+ide-completion from `kvserve.bench.workloads` (seed 0; `--seeds` repeats them with other
+prompts), as token ids from one tokenizer, through kvserve's or vLLM's `LLM.generate` (greedy,
+ignore_eos, each request's own max_tokens), each scenario timed on its own after one warm-up
+request.
 
 Each scenario goes in as one batch, code review's later turns included (they share the earlier
 turns' text as a prompt prefix). `--turn-waves` orders a review's turns instead: wave k holds every

@@ -65,8 +65,9 @@ class BenchClient:
     async def warm_up(self) -> None:
         """One request that costs the server nothing (`/v1/models`), before the timed ones: a
         client process's first request pays its own HTTP stack's set-up, 30-90 ms on this
-        project's CPU (a new connection later costs ~1 ms), which the run would otherwise
-        count in the TTFT of its first request. The single-process run scrapes `/metrics` first."""
+        project's CPU (a second client's first request, on a new connection, reads as the later
+        ones do), which the run would otherwise count in the TTFT of its first request. The
+        single-process run scrapes `/metrics` first."""
         (await self.http.get(f"{self.url}/v1/models")).raise_for_status()
 
     async def metrics(self) -> dict[str, float]:

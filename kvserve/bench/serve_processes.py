@@ -17,7 +17,8 @@ from dataclasses import replace
 
 from kvserve.bench.workloads import WorkloadRequest
 
-LEAD_S = 2.0   # time for the processes to start (spawn, imports, `BenchClient.warm_up`) before the first request is due
+# Time for the processes to start (spawn, imports, `BenchClient.warm_up`) before the first request is due.
+LEAD_S = 2.0
 
 
 def owners(requests: list[WorkloadRequest], processes: int) -> list[int]:
