@@ -17,6 +17,7 @@ the scenario's time by its number of turns.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from typing import Any, Callable
@@ -82,7 +83,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     warm = scenario_requests("qa", 1, a.model_dir)
     run(warm)
     results = {}
-    for seed, name in ((seed, name) for seed in a.seeds for name in a.scenarios):
+    for seed, name in itertools.product(a.seeds, a.scenarios):
         requests = scenario_requests(name, DEFAULT_COUNTS[name] if a.num_prompts is None else a.num_prompts,
                                      a.model_dir, seed)
         key = name if seed == 0 else f"{name}@{seed}"

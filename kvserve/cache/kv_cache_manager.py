@@ -363,7 +363,7 @@ class KVCacheManager:
     def _open_roomless(self, rows: Sequence[tuple[Request, int, int]], rooms: list) -> int:
         """The one-token step of each row whose room is None, in order, as
         `allocate_rows` takes it; the index of the first that fails, else len(rows)."""
-        for i in list(compress(range(len(rows)), map(not_, rooms))):
+        for i in compress(range(len(rows)), map(not_, rooms)):
             request = rows[i][0]
             if not self._open_next_block(request, 1, 0) and not self.allocate_slots(request, 1):
                 return i
