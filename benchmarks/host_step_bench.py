@@ -40,6 +40,7 @@ import gc
 import json
 import os
 import random
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -272,11 +273,13 @@ def core_outputs(core: EngineCore, touched: list) -> bytes:
 
 def timed_step(engine: LLMEngine, core: EngineCore, timer: StepTimer) -> dict[str, int]:
     timer.active = True
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter_ns()
     touched = engine.step()
     step_ns = time.perf_counter_ns() - start
     engine.get_metrics()  # timed every step (the served core: at most every METRICS_INTERVAL_S)
     metrics_ns = time.perf_counter_ns() - start - step_ns
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     timer.active = False
     out_start = time.perf_counter_ns()
     core_outputs(core, touched)
@@ -286,15 +289,15 @@ def timed_step(engine: LLMEngine, core: EngineCore, timer: StepTimer) -> dict[st
     return {**{k: v for k, v in ns.items() if ":" in k}, "schedule": ns.get("schedule", 0),
             "bookkeeping": step_ns - ns.get("schedule", 0) - launch - ns.get("wait", 0),
             "metrics": metrics_ns, "input_prep": prep, "core_out": out_ns,
-            "launch_rest": launch - prep, "wait": ns.get("wait", 0)}
+            "launch_rest": launch - prep, "wait": ns.get("wait", 0), "faults": faults * 1000}
 
 
 def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
-    head = ("running", *HOST_PARTS, "host_total", "core_out+", "launch_rest*", "wait*")
+    head = ("running", *HOST_PARTS, "host_total", "core_out+", "launch_rest*", "wait*", "faults#")
     print(" ".join(f"{h:>12}" for h in head))
     for n, r in rows.items():
         total = sum(r[p] for p in HOST_PARTS)
-        cells = [r[p] for p in HOST_PARTS] + [total, r["core_out"], r["launch_rest"], r["wait"]]
+        cells = [r[p] for p in HOST_PARTS] + [total, r["core_out"], r["launch_rest"], r["wait"], r["faults"]]
         print(f"{n:>12} " + " ".join(f"{c:>12.1f}" for c in cells))
     print_parts(rows)
     print("free (us, median): a request's KV freed after the timed steps, its decode-filled blocks "
@@ -302,7 +305,8 @@ def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
           + ", ".join(f"{r['free']:.1f} at {n}" for n, r in rows.items()))
     print(f"microseconds per step ({stat} over the timed steps); + serving's engine core adds it to every step "
           "(not in host_total); * not host bookkeeping: forward/sampling launch (CPU: the compute) and the wait "
-          "for the step in flight")
+          "for the step in flight; # minor page faults in the step and its metrics (the memory the host's "
+          "allocators map anew: a VM's fresh pages can cost microseconds each)")
 
 
 def print_parts(rows: dict[int, dict[str, float]]) -> None:

@@ -17,6 +17,7 @@ the scenario's time by its number of turns.
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import json
 import time
@@ -41,15 +42,35 @@ def scenario_requests(name: str, count: int, model_dir: str, seed: int = 0) -> l
     return token_id_prompts(WorkloadGenerator(seed=seed).generate(name, count), model_dir)
 
 
-def kvserve_runner(model_dir: str) -> Callable[[list[WorkloadRequest]], int]:
+def kvserve_runner(model_dir: str, step_trace: str | None = None) -> Callable[[list[WorkloadRequest]], int]:
     from kvserve import LLM, SamplingParams
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
+    if step_trace:
+        atexit.register(trace_steps(llm.engine, step_trace).close)
 
     def run(batch: list[WorkloadRequest]) -> int:
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in batch]
         outs = llm.generate([{"prompt_token_ids": r.prompt} for r in batch], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
     return run
+
+
+def trace_steps(engine, path: str):
+    """Each `engine.step` a line of `path`, as `KVSERVE_STEP_TRACE` has the served core write
+    (kvserve/engine/step_trace.py; no output message here: out_ms 0), device spans included.
+    Returns the `StepTrace`: its lines reach the file in batches, the last at `close()`."""
+    import torch
+    from kvserve.engine.step_trace import StepTrace, now
+    trace, step = StepTrace(path), engine.step
+    engine.runner.time_steps = torch.cuda.is_available()
+
+    def traced(*args, **kwargs):
+        start = now()
+        touched = step(*args, **kwargs)
+        trace.record(start, now() - start, engine.last_wait_s, 0.0, engine)
+        return touched
+    engine.step = traced
+    return trace
 
 
 def vllm_runner(model_dir: str) -> Callable[[list[WorkloadRequest]], int]:
@@ -79,7 +100,7 @@ def time_scenario(run: Callable[[list[WorkloadRequest]], int], requests: list[Wo
 
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
-    run = (kvserve_runner if a.engine == "kvserve" else vllm_runner)(a.model_dir)
+    run = kvserve_runner(a.model_dir, a.step_trace) if a.engine == "kvserve" else vllm_runner(a.model_dir)
     warm = scenario_requests("qa", 1, a.model_dir)
     run(warm)
     results = {}
@@ -121,6 +142,9 @@ def main() -> None:
                         "repeat that hits no prefix cached by the one before); results as NAME@SEED past 0")
     p.add_argument("--turn-waves", action="store_true", help="code review: each turn after the one before")
     p.add_argument("--save-json", default=None)
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="kvserve: one line a step (kvserve/engine/step_trace.py's columns; "
+                        "python -m kvserve.engine.step_trace FILE --segments reads it)")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
     a = p.parse_args()
     if a.compare:

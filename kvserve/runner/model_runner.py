@@ -141,6 +141,25 @@ class ModelRunner:
                                    work=self.decode_work)
         self.graphs.capture(pool)
 
+    @torch.inference_mode()
+    def warm_logits(self, max_rows: int) -> None:
+        """Run the logits GEMM once at every row count a step can sample (1..`max_rows`).
+
+        It runs eagerly after every forward, graph replays included, with one row per
+        sampled request, and cuBLAS picks its kernel by the row count: 32 kernels for
+        1..300 rows at Qwen3-8B's shape on an H200. A kernel's first launch in the process
+        loads it, and with the device busy (the step before still running, as in every
+        pipelined step) that load held the host 76 ms on the H200's host
+        (benchmarks/gemm_first_use_probe.py), against ~0.6 ms with the device idle: an
+        offline scenario's first eager steps took ~200 ms of host time each, the device
+        idling between them. Each batch size's first time now comes at start-up."""
+        weight = self.model.lm_head.weight
+        hidden = torch.zeros(max_rows, weight.shape[1], dtype=weight.dtype, device=self.device)
+        for rows in range(1, max_rows + 1):
+            self.model.compute_logits(hidden[:rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def launch(self, out: SchedulerOutput, block_tables: list[torch.Tensor],
                previous: "InFlightStep | None" = None,
                prompt_logprobs: PromptLogprobs | None = None) -> "InFlightStep":
