@@ -92,6 +92,23 @@ def test_summary_from_results_and_metrics_diff():
     assert s["server"]["evictions_per_s"] == pytest.approx(1.0)
 
 
+def test_vllm_metrics_are_read_summed_over_their_labels():
+    """vLLM's /metrics: its prefix-cache counters (tokens) and preemptions, one series per
+    engine and model; the hit rate is theirs summed. A kvserve name with labels sums too."""
+    labels = '{engine="%d",model_name="m"}'
+    text = "\n".join([f"vllm:prefix_cache_queries_total{labels % e} {q}" for e, q in ((0, 300.0), (1, 100.0))]
+                      + [f"vllm:prefix_cache_hits_total{labels % e} {h}" for e, h in ((0, 150.0), (1, 50.0))]
+                      + [f"vllm:num_preemptions_total{labels % 0} 4.0", "vllm:kv_cache_usage_perc 0.25",
+                         'vllm:prefix_cache_hits_created{engine="0"} 1.7e9'])
+    before = parse_prometheus("vllm:prefix_cache_queries_total{engine=\"0\"} 100.0\n"
+                              "vllm:prefix_cache_hits_total{engine=\"0\"} 40.0")
+    s = summarize([RequestResult("qa", ok=True, e2e=1.0)], 1.0, before, parse_prometheus(text), [], {})
+    assert s["server"]["prefix_cache_hit_rate"] == pytest.approx((200.0 - 40.0) / (400.0 - 100.0))
+    assert s["server"]["preemptions"] == 4.0 and s["server"]["evictions"] == 0.0
+    from kvserve.bench.serve import server_metric
+    assert server_metric(parse_prometheus(text), "kv_cache_usage_perc") == 0.25
+
+
 def test_arrival_times_are_the_poisson_gaps_summed():
     import itertools
     import random

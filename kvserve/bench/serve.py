@@ -113,6 +113,9 @@ def _read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
     result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
+SERVER_PREFIXES = ("kvserve:", "vllm:")   # our /metrics, and vLLM's OpenAI server's (the peer the bench compares)
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
     """`name{labels} value` lines -> {name{labels}: value}; enough for our own /metrics."""
     values = {}
@@ -124,6 +127,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
             except ValueError:
                 continue
     return values
+
+
+def server_metric(m: dict[str, float], name: str) -> float:
+    """`name` (unprefixed, e.g. "prefix_cache_hits_total") summed over its label sets, under
+    either server's prefix: vLLM labels every series (model_name, engine), kvserve few."""
+    return sum(v for key, v in m.items()
+               if key.partition("{")[0] in (SERVER_PREFIXES[0] + name, SERVER_PREFIXES[1] + name))
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -212,10 +222,10 @@ async def _sample_kv(client: BenchClient, samples: list[KVSample], start: float)
     while True:
         try:
             m = await client.metrics()
-            samples.append(KVSample(time.perf_counter() - start, m.get("kvserve:kv_cache_usage_perc", 0.0),
-                                    m.get("kvserve:kv_cache_fragmentation", 0.0),
-                                    m.get("kvserve:num_requests_running", 0.0),
-                                    m.get("kvserve:num_requests_waiting", 0.0)))
+            samples.append(KVSample(time.perf_counter() - start, server_metric(m, "kv_cache_usage_perc"),
+                                    server_metric(m, "kv_cache_fragmentation"),
+                                    server_metric(m, "num_requests_running"),
+                                    server_metric(m, "num_requests_waiting")))
         except Exception:
             pass  # a missed sample only thins the time series
         await asyncio.sleep(SAMPLE_PERIOD_S)
@@ -271,8 +281,8 @@ def summarize(results: list[RequestResult], duration: float, before: dict[str, f
 
 def _server_summary(before: dict[str, float], after: dict[str, float], samples: list[KVSample],
                     duration: float) -> dict[str, Any]:
-    def delta(name: str) -> float:
-        return after.get(f"kvserve:{name}", 0.0) - before.get(f"kvserve:{name}", 0.0)
+    def delta(name: str) -> float:   # vLLM exports no evictions or fragmentation: they read 0
+        return server_metric(after, name) - server_metric(before, name)
     queries = delta("prefix_cache_queries_total")
     return {"prefix_cache_hit_rate": delta("prefix_cache_hits_total") / queries if queries else 0.0,
             "evictions": delta("kv_cache_evictions_total"),
