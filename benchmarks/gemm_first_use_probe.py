@@ -97,6 +97,10 @@ def main() -> None:
     p.add_argument("--slow-ms", type=float, default=5.0)
     p.add_argument("--busy-ms", type=float, default=0.0,
                    help="queue this much device sleep before each timed call: does a first call wait for it?")
+    p.add_argument("--warm-check", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="instead: warm the layer GEMMs at 8k and 8k + 1 rows in [LO, HI], then look for stalls "
+                        "at --samples other row counts there (use with --busy-ms)")
+    p.add_argument("--samples", type=int, default=60)
     p.add_argument("--kernels", action="store_true",
                    help="instead: each GEMM's kernel at every M (profiler), as runs of M")
     a = p.parse_args()
@@ -107,6 +111,8 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     if a.kernels:
         return list_kernels(a, dev, dt)
+    if a.warm_check:
+        return warm_check(a, dev, dt)
     global BUSY_CYCLES
     BUSY_CYCLES = int(a.busy_ms * cycles_per_ms())
     lm_head = torch.randn(a.vocab, a.hidden, dtype=dt, device=dev) * 0.02
@@ -116,6 +122,35 @@ def main() -> None:
     sweep("down proj [M, intermediate] x [intermediate, hidden], M 1,000-8,192 step 97", down,
           list(range(1000, 8193, 97)), a.slow_ms)
     sweep("logits again, M 1..max-rows (all seen)", lm_head, list(range(1, a.max_rows + 1)), a.slow_ms)
+
+
+def warm_rows(lo: int, hi: int) -> list[int]:
+    """Row counts 8k and 8k + 1 in [lo, hi]: cuBLAS's kernel changes at multiples of 8 rows
+    (`--kernels`: a multiple of 8 may take its own kernel; 8k + 1..8k + 7 share one)."""
+    return [m for k in range(lo // 8, hi // 8 + 1) for m in (8 * k, 8 * k + 1) if lo <= m <= hi]
+
+
+def warm_check(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> None:
+    """Warm each layer GEMM at `warm_rows` over the eager range with the device idle, then
+    time first calls at random row counts of that range with the device busy: a kernel the
+    warm-up missed shows as a stall."""
+    import random
+    global BUSY_CYCLES
+    lo, hi = a.warm_check
+    rng = random.Random(0)
+    for name, (out_f, in_f) in {"down": (a.hidden, a.intermediate), "qkv": (a.hidden + 2 * 1024, a.hidden)}.items():
+        weight = torch.randn(out_f, in_f, dtype=dt, device=dev) * 0.02
+        rows = warm_rows(lo, hi)
+        BUSY_CYCLES = 0
+        start = time.perf_counter()
+        x = torch.randn(hi + 1, in_f, dtype=dt, device=dev)
+        for m in rows:
+            torch.nn.functional.linear(x[:m], weight)
+        torch.cuda.synchronize()
+        print(f"{name}: warmed {len(rows)} row counts in {(time.perf_counter() - start) * 1e3:.0f} ms", flush=True)
+        BUSY_CYCLES = int(a.busy_ms * cycles_per_ms())
+        picks = rng.sample([m for m in range(lo, hi + 1) if m not in set(rows)], a.samples)
+        sweep(f"{name} at {a.samples} other row counts in [{lo}, {hi}], device busy", weight, picks, a.slow_ms)
 
 
 def list_kernels(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> None:

@@ -16,11 +16,27 @@ def runner(tmp_path_factory):
     return LLM(str(ckpt), dtype="float32", device="cpu", max_model_len=256).engine.runner
 
 
-def test_every_row_count_once(runner, monkeypatch):
+@pytest.fixture(scope="module")
+def v4_runner():
+    return LLM("dummy:tiny-deepseek-v4", dtype="float32", device="cpu", max_model_len=256).engine.runner
+
+
+def _rows_warmed(runner, monkeypatch, max_rows: int) -> list[int]:
     seen = []
     compute = runner.model.compute_logits
     monkeypatch.setattr(runner.model, "compute_logits", lambda h: seen.append(h) or compute(h))
-    runner.warm_logits(7)
-    weight = runner.model.lm_head.weight
-    assert [h.shape[0] for h in seen] == list(range(1, 8))
+    runner.warm_logits(max_rows)
+    weight = runner.logits_weight()
     assert all(h.shape[1] == weight.shape[1] and h.dtype == weight.dtype and h.is_contiguous() for h in seen)
+    return [h.shape[0] for h in seen]
+
+
+def test_every_row_count_once(runner, monkeypatch):
+    assert runner.logits_weight() is runner.model.lm_head.weight
+    assert _rows_warmed(runner, monkeypatch, 7) == list(range(1, 8))
+
+
+def test_deepseek_v4_warms_its_head(v4_runner, monkeypatch):
+    """V4's output projection is `head`; its runner names it."""
+    assert v4_runner.logits_weight() is v4_runner.model.head.weight
+    assert _rows_warmed(v4_runner, monkeypatch, 3) == [1, 2, 3]

@@ -160,15 +160,8 @@ def build_runner(args: EngineArgs, rank: RankModel, num_host_blocks: int = 0,
     if rank.device.type == "cuda" and rank.backend.name == "triton":
         warm_eager_attention_variants(rank)
     if rank.device.type == "cuda" and step_channel is None:   # workers compute logits in lockstep: not warmed
-        warm_logits_gemm(runner, sched.max_num_seqs)
+        runner.warm_logits(sched.max_num_seqs)
     return runner
-
-
-def warm_logits_gemm(runner: ModelRunner, max_rows: int) -> None:
-    """Load the logits GEMM's kernels for every batch size now, not mid-traffic (`ModelRunner.warm_logits`)."""
-    start = time.perf_counter()
-    runner.warm_logits(max_rows)
-    logger.info("logits GEMM: row counts 1..%d launched in %.1f s", max_rows, time.perf_counter() - start)
 
 
 def warm_eager_attention_variants(rank: RankModel) -> None:

@@ -12,6 +12,8 @@ prefetch (`kv_prefetch`) so that it overlaps the forward.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from operator import attrgetter, is_
 from typing import Callable
@@ -26,6 +28,8 @@ from kvserve.runner.prompt_logprobs import PendingPromptLogprobs, PromptLogprobs
 from kvserve.request import PENDING_TOKEN
 from kvserve.runner.sampler import PendingSample, Sampler, SamplerOutput
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput, row_request_id
+
+logger = logging.getLogger(__name__)
 
 # Without mixed graphs, eager steps of more tokens than this resolve the step in flight first
 # (`ModelRunner.drain_above_tokens`); with them, their largest bucket is the bound. The value is
@@ -141,6 +145,10 @@ class ModelRunner:
                                    work=self.decode_work)
         self.graphs.capture(pool)
 
+    def logits_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] weight `compute_logits` multiplies by."""
+        return self.model.lm_head.weight
+
     @torch.inference_mode()
     def warm_logits(self, max_rows: int) -> None:
         """Run the logits GEMM once at every row count a step can sample (1..`max_rows`).
@@ -153,12 +161,13 @@ class ModelRunner:
         (benchmarks/gemm_first_use_probe.py), against ~0.6 ms with the device idle: an
         offline scenario's first eager steps took ~200 ms of host time each, the device
         idling between them. Each batch size's first time now comes at start-up."""
-        weight = self.model.lm_head.weight
+        start, weight = time.perf_counter(), self.logits_weight()
         hidden = torch.zeros(max_rows, weight.shape[1], dtype=weight.dtype, device=self.device)
         for rows in range(1, max_rows + 1):
             self.model.compute_logits(hidden[:rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        logger.info("logits GEMM: row counts 1..%d launched in %.2f s", max_rows, time.perf_counter() - start)
 
     def launch(self, out: SchedulerOutput, block_tables: list[torch.Tensor],
                previous: "InFlightStep | None" = None,

@@ -72,6 +72,9 @@ class V4Runner(ModelRunner):
         self.rates = {"csa": config.compress_rate(CSA), "hca": config.compress_rate(HCA)}
         model.place_rope_tables(device)
 
+    def logits_weight(self) -> torch.Tensor:
+        return self.model.head.weight
+
     def static_graphs(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                       mixed: bool = True, sizes: list[int] | None = None,
                       bounds: list[int] | None = None) -> V4Graphs:
@@ -154,6 +157,8 @@ def build_v4_engine_parts(args: EngineArgs):
              config)
     if graphs:
         runner.capture_graphs(sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens)
+    if device.type == "cuda":
+        runner.warm_logits(sched.max_num_seqs)
     costs = PreemptionCosts(cache.preemption_mode, cache.kv_copy_bandwidth_gbps * 1e9)
     return EngineParts(config, None, sched, kv_cache, Scheduler(sched, kv_cache, costs), runner,
                        frozenset(config.eos_token_ids))
