@@ -154,12 +154,12 @@ class ModelRunner:
         """Run the logits GEMM once at every row count a step can sample (1..`max_rows`).
 
         It runs eagerly after every forward, graph replays included, with one row per
-        sampled request, and cuBLAS picks its kernel by the row count: 32 kernels for
-        1..300 rows at Qwen3-8B's shape on an H200. A kernel's first launch in the process
-        loads it, and with the device busy (the step before still running, as in every
-        pipelined step) that load held the host 76 ms on the H200's host
-        (benchmarks/gemm_first_use_probe.py), against ~0.6 ms with the device idle: an
-        offline scenario's first eager steps took ~200 ms of host time each, the device
+        sampled request, and cuBLAS picks its kernel by the row count: at Qwen3-8B's
+        shape on an H200, 32 of the row counts 1..300 met a kernel new to the process.
+        A kernel's first launch loads it, and with the device busy (the step before still
+        running, as in every pipelined step) that load held the host 76 ms on the H200's
+        host (benchmarks/gemm_first_use_probe.py), against ~0.6 ms with the device idle:
+        an offline scenario's first eager steps took ~200 ms of host time each, the device
         idling between them. Each batch size's first time now comes at start-up."""
         start, weight = time.perf_counter(), self.logits_weight()
         hidden = torch.zeros(max_rows, weight.shape[1], dtype=weight.dtype, device=self.device)
