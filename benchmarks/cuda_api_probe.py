@@ -97,7 +97,7 @@ def after_wait_us(rows: list[Row], wait: Callable[[], None], rounds: int) -> flo
     return statistics.median(samples) / 1e3
 
 
-def _cycles_per_ms() -> float:
+def cycles_per_ms() -> float:
     """`torch.cuda._sleep` cycles a millisecond, timed with events."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -109,7 +109,7 @@ def _cycles_per_ms() -> float:
 
 def device_wait(mode: str) -> Callable[[], None]:
     """Queue ~15 ms of device sleep, then wait for it: spinning on an event's query, or blocking."""
-    cycles = int(15 * _cycles_per_ms())
+    cycles = int(15 * cycles_per_ms())
 
     def wait() -> None:
         torch.cuda._sleep(cycles)

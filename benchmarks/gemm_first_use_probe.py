@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from cuda_api_probe import cycles_per_ms   # this folder: the script's own
+
 
 BUSY_CYCLES = 0   # --busy-ms: device sleep queued before each timed call (set in main)
 
@@ -37,15 +39,6 @@ def timed_ms(fn) -> float:
     if not BUSY_CYCLES:
         torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3
-
-
-def cycles_per_ms() -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    stop.record()
-    stop.synchronize()
-    return 10_000_000 / start.elapsed_time(stop)
 
 
 def kernel_names(weight: torch.Tensor, rows: list[int]) -> list[tuple[int, int, str]]:
