@@ -33,7 +33,8 @@ it (what a stream's inter-token latency is made of; `with_periods` says how it
 is read off the lines), the host's time to launch it, the wait, the output,
 and the steps with the longest host time (a stall names itself: garbage
 collection in `gc_ms`, a kernel compile in `jit_ms`, else a hidden
-synchronisation, which the allocator's columns may name).
+synchronisation, which the allocator's columns may name, or a library kernel's
+first launch in the process: docs/DIAGNOSING.md, section 5).
 
 `KVSERVE_CORE_PROFILE=FILE` adds a cProfile of every step of the core's
 (`LLMEngine.step` and the output message), rewritten to FILE every
