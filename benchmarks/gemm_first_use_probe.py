@@ -3,7 +3,7 @@
 An offline step trace's first scenario had eager steps whose launch took ~200 ms of host
 time, in cuBLAS's `cuKernelSetAttribute` under the logits GEMM (py-spy, native frames):
 cuBLAS picks a kernel per shape, and a kernel's first launch in a process loads it (CUDA's
-lazy module loading), which on this machine seemed to take 100-280 ms. The logits GEMM runs
+lazy module loading), which waits while the device is busy (--busy-ms). The logits GEMM runs
 eagerly after every forward, graph replays included, with one row per sampled request, so
 every batch size a server meets for the first time would pay it.
 
@@ -26,6 +26,11 @@ from cuda_api_probe import cycles_per_ms   # this folder: the script's own
 
 
 BUSY_CYCLES = 0   # --busy-ms: device sleep queued before each timed call (set in main)
+
+
+def layer_shapes(a: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """(out, in) features of two Qwen3-8B-like layer GEMMs: QKV (8 KV heads of 128) and the down projection."""
+    return {"qkv": (a.hidden + 2 * 1024, a.hidden), "down": (a.hidden, a.intermediate)}
 
 
 def timed_ms(fn) -> float:
@@ -97,6 +102,8 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true",
                    help="instead: each GEMM's kernel at every M (profiler), as runs of M")
     a = p.parse_args()
+    if a.warm_check and not 1 <= a.warm_check[0] <= a.warm_check[1]:
+        p.error(f"--warm-check needs 1 <= LO <= HI, got {a.warm_check[0]} {a.warm_check[1]}")
     print(f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '(unset: lazy)')}")
     start = time.perf_counter()
     torch.zeros(1, device="cuda")
@@ -131,9 +138,10 @@ def warm_check(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> Non
     global BUSY_CYCLES
     lo, hi = a.warm_check
     rng = random.Random(0)
-    for name, (out_f, in_f) in {"down": (a.hidden, a.intermediate), "qkv": (a.hidden + 2 * 1024, a.hidden)}.items():
+    rows = warm_rows(lo, hi)
+    others = sorted(set(range(lo, hi + 1)) - set(rows))
+    for name, (out_f, in_f) in layer_shapes(a).items():
         weight = torch.randn(out_f, in_f, dtype=dt, device=dev) * 0.02
-        rows = warm_rows(lo, hi)
         BUSY_CYCLES = 0
         start = time.perf_counter()
         x = torch.randn(hi + 1, in_f, dtype=dt, device=dev)
@@ -142,13 +150,13 @@ def warm_check(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> Non
         torch.cuda.synchronize()
         print(f"{name}: warmed {len(rows)} row counts in {(time.perf_counter() - start) * 1e3:.0f} ms", flush=True)
         BUSY_CYCLES = int(a.busy_ms * cycles_per_ms())
-        picks = rng.sample([m for m in range(lo, hi + 1) if m not in set(rows)], a.samples)
+        picks = rng.sample(others, min(a.samples, len(others)))
         sweep(f"{name} at {a.samples} other row counts in [{lo}, {hi}], device busy", weight, picks, a.slow_ms)
 
 
 def list_kernels(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> None:
-    shapes = {"logits": (a.vocab, a.hidden, a.max_rows), "qkv": (a.hidden + 2 * 1024, a.hidden, 8192),
-              "down": (a.hidden, a.intermediate, 8192)}
+    shapes = {"logits": (a.vocab, a.hidden, a.max_rows),
+              **{name: (*shape, 8192) for name, shape in layer_shapes(a).items()}}
     for name, (out_f, in_f, max_m) in shapes.items():
         weight = torch.randn(out_f, in_f, dtype=dt, device=dev) * 0.02
         runs = kernel_names(weight, list(range(1, max_m + 1)))

@@ -132,8 +132,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
 def server_metric(m: dict[str, float], name: str) -> float:
     """`name` (unprefixed, e.g. "prefix_cache_hits_total") summed over its label sets, under
     either server's prefix: vLLM labels every series (model_name, engine), kvserve few."""
-    return sum(v for key, v in m.items()
-               if key.partition("{")[0] in (SERVER_PREFIXES[0] + name, SERVER_PREFIXES[1] + name))
+    names = {prefix + name for prefix in SERVER_PREFIXES}
+    return sum(v for key, v in m.items() if key.partition("{")[0] in names)
 
 
 # -- the run -----------------------------------------------------------------------------
