@@ -26,7 +26,9 @@ LAYOUTS = {"full": make_kv_cache_groups([FULL]),
 
 
 def _state(manager: KVCacheManager, request_ids: list[str]) -> tuple:
-    """Everything a step's allocation changes, the lagging tail counters synced."""
+    """Everything a step's allocation changes, the lagging ends and tail counters
+    synced (without ending a decode run: the next step must be able to continue it)."""
+    manager._write_ends()
     for request_id in list(manager._room):
         manager._sync_tails(request_id)
     fill = manager._held.fill
@@ -56,18 +58,22 @@ def test_decode_rows_change_the_cache_as_allocate_slots_row_by_row(layout, cachi
     `allocate_slots` per row: equal states and stopping rows every step, while
     requests cross block boundaries, leave (free) and the pool runs dry."""
     rng = random.Random(7)
-    stops = set()
+    stops, runs = set(), set()
     for trial in range(6):
         managers = [KVCacheManager(LAYOUTS[layout], num_blocks=40, block_size=4, enable_prefix_caching=caching)
                     for _ in range(2)]
         walks = [_decoding(m, 8, random.Random(trial)) for m in managers]
+        streak_ids = None
         for step in range(20):
             rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
             starts = np.array([r.num_computed_tokens for r in walks[0]], dtype=np.int64)
-            done = managers[0].allocate_decode_rows(rows, [r.request_id for r in walks[0]], starts)
+            # One list while the rows stay, as the scheduler's streak keeps it: the cache's decode run goes on.
+            streak_ids = streak_ids or [r.request_id for r in walks[0]]
+            done = managers[0].allocate_decode_rows(rows, streak_ids, starts)
             expected = next((i for i, r in enumerate(walks[1]) if not managers[1].allocate_slots(r, 1)),
                             len(rows))
             assert done == expected, (trial, step)
+            runs.add(managers[0]._run is not None)
             ids = [r.request_id for r in walks[0]]
             assert _state(managers[0], ids) == _state(managers[1], ids), (trial, step)
             managers[0].check_integrity()
@@ -75,6 +81,8 @@ def test_decode_rows_change_the_cache_as_allocate_slots_row_by_row(layout, cachi
             token = rng.randrange(3, 50)
             # A request leaves, making room: the newest when the pool ran dry, sometimes any.
             leaves = len(rows) - 1 if done < len(rows) else rng.randrange(len(rows)) if rng.random() < 0.2 else None
+            if leaves is not None:
+                streak_ids = None
             for walk, manager in zip(walks, managers):
                 for r in walk[:done]:
                     r.num_computed_tokens += 1
@@ -84,6 +92,7 @@ def test_decode_rows_change_the_cache_as_allocate_slots_row_by_row(layout, cachi
             if not walks[0]:
                 break
     assert stops == {True, False}   # the pool ran dry on the way, and steps went through
+    assert runs == ({False} if layout == "full + sliding" else {True, False})   # decode runs went on and ended
 
 
 def test_decode_rows_whose_start_is_not_the_cache_end_take_the_row_by_row_path():
@@ -100,6 +109,26 @@ def test_decode_rows_whose_start_is_not_the_cache_end_take_the_row_by_row_path()
     assert all(managers[1].allocate_slots(r, 1) for r in walks[1])
     ids = [r.request_id for r in walks[0]]
     assert _state(managers[0], ids) == _state(managers[1], ids)
+    managers[0].check_integrity()
+
+
+def test_a_decode_run_whose_starts_moved_otherwise_is_not_continued():
+    """The same id list twice, the second time with a start that is not where the
+    first step left its row (one row rolled back, as a step computing fewer tokens
+    would): the run must not go on over it; both managers agree with row-by-row."""
+    managers = [KVCacheManager(LAYOUTS["full"], num_blocks=30, block_size=4) for _ in range(2)]
+    walks = [_decoding(m, 3, random.Random(2)) for m in managers]
+    ids = [r.request_id for r in walks[0]]
+    for step, rollback in enumerate((False, True)):
+        rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+        starts = np.array([r.num_computed_tokens for r in walks[0]])
+        assert managers[0].allocate_decode_rows(rows, ids, starts) == 3
+        assert all(managers[1].allocate_slots(r, 1) for r in walks[1])
+        assert _state(managers[0], ids) == _state(managers[1], ids), step
+        for walk in walks:
+            for r in walk:
+                r.num_computed_tokens += 1
+            walk[0].num_computed_tokens -= 1   # row 0 computed nothing: its next start is its last one
     managers[0].check_integrity()
 
 

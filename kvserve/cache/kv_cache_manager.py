@@ -56,6 +56,7 @@ import numpy as np
 
 from kvserve.cache import groups as layout
 from kvserve.cache.block_fill import HeldTables
+from kvserve.cache.decode_run import DecodeRun
 from kvserve.cache.block_pool import BlockPool, KVBlock
 from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
@@ -149,6 +150,8 @@ class KVCacheManager:
         # they count) between which allocate_slots only moves the end inside the tail
         # block (`_set_room`); the counters lag behind until `_sync_tails`.
         self._room: dict[str, tuple[int, int, list[dict[int, int]], int]] = {}
+        # The steady decode steps' rows while they hold (`allocate_decode_rows`); None between.
+        self._run: DecodeRun | None = None
 
     # ---- layout -------------------------------------------------------
     @property
@@ -188,6 +191,7 @@ class KVCacheManager:
         the lookup with `record_prefix_lookup` once admission succeeds, so a
         retried admission is not counted twice. A swapped-out request gets
         its own swapped blocks back instead."""
+        self._settle()
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
             return self._swap_in_hit(request, swapped)
@@ -274,6 +278,7 @@ class KVCacheManager:
         Returns False, changing nothing, when the free blocks (cached free blocks
         included) do not suffice. See the module docstring for the contract.
         """
+        self._settle()
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if computed is None or computed.num_tokens == 0:
@@ -318,6 +323,7 @@ class KVCacheManager:
         that fills its tail leaves the room here too, and one that opens the
         next block goes straight to `_open_next_block`: at 256 running requests
         and 16-token blocks, 32 rows a step."""
+        self._settle()
         room_of, ends, moved = self._room.get, self._num_tokens, 0
         for i in range(first, len(rows)):
             request, num_new, _ = rows[i]
@@ -344,26 +350,86 @@ class KVCacheManager:
         """`allocate_rows(rows)` for the rows of a steady decode step (the
         scheduler's `DecodeStreak`), whose caller vouches that each row computes
         one token at `starts[i]`, its request's num_computed_tokens, and passes
-        the rows' request ids, which it keeps across steps: no pass over the
-        rows reads them. Where each start is also the end the cache holds, a
-        row with a room stays inside it (the room holds its end, `_check_room`,
-        so it holds end + 1) and all of them move in a few passes over arrays
-        (`_move_rooms`); the rows without a room (one in 16 at 16-token blocks:
-        they open a block) take a call each, first. That is the same as taking
-        the rows in order: a room is its request's alone (`_set_room`) and the
-        fill total is a sum."""
-        ends = starts.tolist()
-        if self._drops_blocks or list(map(self._num_tokens.get, request_ids)) != ends:
+        the rows' request ids, which it keeps across steps. Where each start is
+        also the end the cache holds, the rows form a `DecodeRun`: a row with a
+        room stays inside it (the room holds its end, `_check_room`, so it holds
+        end + 1) and all of them move as one array; the rows without a room (one
+        in 16 at 16-token blocks: they open a block) take a call each, first.
+        That is the same as taking the rows in order: a room is its request's
+        alone (`_set_room`) and the fill total is a sum. Where a row's block
+        cannot be opened directly, the run is settled and the step goes on as
+        `allocate_rows` would (`_leave_run`)."""
+        run = self._decode_run(request_ids, starts)
+        if run is None:
             return self.allocate_rows(rows)
-        rooms = list(map(self._room.get, request_ids))
-        done = self._open_roomless(rows, rooms)
-        self._move_rooms(request_ids[:done], starts[:done] + 1, rooms[:done])
+        for k, i in enumerate(run.roomless):
+            self._num_tokens[request_ids[i]] = int(run.ends[i])   # the per-row path reads it
+            if not self._open_next_block(rows[i][0], 1, 0):
+                return self._leave_run(rows, run, run.roomless[:k], i)
+        self._move_run(run)
+        return len(rows)
+
+    def _decode_run(self, request_ids: list[str], starts: np.ndarray) -> DecodeRun | None:
+        """The run these rows continue, or a new one when the cache's ends are
+        `starts` (None otherwise: the general path)."""
+        run = self._run
+        if run is not None and run.continues(request_ids, starts):
+            return run
+        self._settle()
+        if self._drops_blocks or list(map(self._num_tokens.get, request_ids)) != starts.tolist():
+            return None
+        self._run = DecodeRun.start(request_ids, starts, list(map(self._room.get, request_ids)))
+        return self._run
+
+    def _move_run(self, run: DecodeRun) -> None:
+        """Every row's end one further, as `_move_within_tail` moves one: the fill
+        total by the tails of the rows that had a room (those opened this step
+        counted theirs when their blocks were added); rooms now full are left."""
+        self._held.fill.used_slots += run.room_tails
+        for i in run.roomless:
+            run.set_room(i, self._room.get(run.request_ids[i]))
+        run.ends += 1
+        run.roomless, run.lagging = run.filled(self.block_size), True
+        for i in run.roomless:
+            request_id = run.request_ids[i]
+            self._num_tokens[request_id] = int(run.ends[i])   # `_sync_tails` reads it
+            self._leave_room(request_id)
+            run.set_room(i, None)
+
+    def _leave_run(self, rows: Sequence[tuple[Request, int, int]], run: DecodeRun,
+                   opened: list[int], failed: int) -> int:
+        """Row `failed` opens no block directly: settle the run (the rows
+        `opened` this step are one further already), then finish the step row
+        by row from there as the general decode path does."""
+        self._run = None
+        ends = run.ends.tolist()
+        for i in opened:
+            ends[i] += 1
+        self._num_tokens.update(zip(run.request_ids, ends))
+        done = self._open_roomless(rows, run.rooms, failed)
+        self._move_rooms(run.request_ids[:done], run.ends[:done] + 1, run.rooms[:done])
         return done
 
-    def _open_roomless(self, rows: Sequence[tuple[Request, int, int]], rooms: list) -> int:
-        """The one-token step of each row whose room is None, in order, as
-        `allocate_rows` takes it; the index of the first that fails, else len(rows)."""
-        for i in compress(range(len(rows)), map(not_, rooms)):
+    def _settle(self) -> None:
+        """End the decode run, its ends written to `_num_tokens`: every call
+        that may change a request's state besides the run's steps comes here
+        first (the run's rooms and ends would no longer be the cache's)."""
+        self._write_ends()
+        self._run = None
+
+    def _write_ends(self) -> None:
+        """`_num_tokens` up to the decode run's ends, the run going on: for
+        readers that change nothing (`check_integrity`)."""
+        run = self._run
+        if run is not None and run.lagging:
+            self._num_tokens.update(zip(run.request_ids, run.ends.tolist()))
+            run.lagging = False
+
+    def _open_roomless(self, rows: Sequence[tuple[Request, int, int]], rooms: list, first: int) -> int:
+        """The one-token step of each row from `first` on whose room is None, in
+        order, as `allocate_rows` takes it; the index of the first that fails,
+        else len(rows)."""
+        for i in compress(range(first, len(rows)), map(not_, rooms[first:])):
             request = rows[i][0]
             if not self._open_next_block(request, 1, 0) and not self.allocate_slots(request, 1):
                 return i
@@ -383,6 +449,7 @@ class KVCacheManager:
     def can_allocate(self, request: Request, num_new_tokens: int,
                      computed: ComputedBlocks | None = None, reserve: int = 0) -> bool:
         """Whether `allocate_slots` with these arguments would succeed; changes nothing."""
+        self._settle()
         hit = computed if computed is not None and computed.num_tokens > 0 else None
         if hit is not None:
             self._check_hit_usable(request, hit)
@@ -596,6 +663,7 @@ class KVCacheManager:
         """Release all of a request's blocks (tail first), swapped ones included;
         unknown ids are a no-op. Full blocks its decode steps filled are offered
         to the hash map first (`_offer_deferred`)."""
+        self._settle()
         self._offer_deferred(request)
         self._free_gpu(request.request_id)
         swapped = self._swapped.pop(request.request_id, None)
@@ -617,6 +685,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing done) while requests hold blocks."""
+        self._settle()
         if not self.pool.reset_prefix_cache():
             return False
         if self.host_tier is not None:
@@ -649,12 +718,14 @@ class KVCacheManager:
         """(bytes a swap-out moves, and again its swap-in; tokens a recompute
         would redo instead). Both leave out the cached prefix, which neither
         path loses while it stays in a tier."""
+        self._settle()
         if self.host_tier is None:
             return 0, request.num_computed_tokens
         tail_tokens = request.num_computed_tokens - self._num_prefix_blocks(request) * self.block_size
         return self._num_swap_blocks(request) * self.host_tier.block_bytes, tail_tokens
 
     def can_swap_out(self, request: Request) -> bool:
+        self._settle()
         if self.host_tier is None or request.num_computed_tokens == 0:
             return False
         return self._num_swap_blocks(request) <= self.host_tier.num_free_for_swap()
@@ -663,6 +734,7 @@ class KVCacheManager:
         """Copy the request's computed KV past its cached prefix to private host
         slots and free its GPU blocks. Its next `get_computed_blocks` returns
         them after the prefix (see module doc)."""
+        self._settle()
         if not self.can_swap_out(request):
             raise ValueError(f"request {request.request_id!r} cannot be swapped out")
         self._offer_deferred(request)
@@ -733,6 +805,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Raise RuntimeError when ref counts, free queue and hash map disagree."""
+        self._write_ends()
         refs: Counter[int] = Counter()
         for group_id, manager in enumerate(self.managers):
             for request_id, table in manager.req_to_blocks.items():

@@ -213,9 +213,10 @@ class ModelRunner:
             return InFlightStep([], None, prompt, span and span.end())
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = list(map(_sampling_params, inputs.sampling_rows))
-        ids = list(map(row_request_id, inputs.sampling_rows))
+        streak_ids = _streak_ids(out)
+        ids = streak_ids if streak_ids is not None else list(map(row_request_id, inputs.sampling_rows))
         sample = self.sampler.sample(logits, params, ids)
-        return InFlightStep(inputs.sampling_rows, sample, prompt, span and span.end())
+        return InFlightStep(inputs.sampling_rows, sample, prompt, span and span.end(), streak_ids)
 
     def execute(self, out: SchedulerOutput, block_tables: list[torch.Tensor]) -> StepResult:
         """Launch and wait: one step, unpipelined."""
@@ -241,7 +242,7 @@ class ModelRunner:
 
     def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
         if (out.decode is not None and out.decode.on_device and previous is not None
-                and previous.sample is not None and _same_requests(out.scheduled, previous.rows)):
+                and previous.sample is not None and _same_rows(out, previous)):
             inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: every token pending, row i is row i
             return
         flat = (inputs.host.input_ids == PENDING_TOKEN).nonzero().flatten()
@@ -301,6 +302,22 @@ def _cascade_wanted(device: torch.device, layout: KVLayout, step_channel) -> boo
     return enabled_by_env()
 
 
+def _streak_ids(out: SchedulerOutput) -> list[str] | None:
+    """The step's request ids when it is a steady decode step of the scheduler's
+    decode streak, every row sampling: the streak keeps that one list while it
+    holds, so the same list on two steps means the same requests in the same order."""
+    return out.request_ids if out.decode is not None else None
+
+
+def _same_rows(out: SchedulerOutput, previous: "InFlightStep") -> bool:
+    """Whether `out` schedules the requests `previous` sampled, in the same
+    order: O(1) within a decode streak (`_streak_ids`), else a pass over both."""
+    ids = _streak_ids(out)
+    if ids is not None and ids is previous.request_ids:
+        return True
+    return _same_requests(out.scheduled, previous.rows)
+
+
 def _same_requests(scheduled: list[ScheduledRequest], previous: list[ScheduledRequest]) -> bool:
     """Whether both lists hold the same requests in the same order."""
     return len(scheduled) == len(previous) and all(map(is_, map(_request, scheduled), map(_request, previous)))
@@ -335,8 +352,11 @@ class InFlightStep:
     times steps, its device span."""
 
     def __init__(self, rows: list[ScheduledRequest], sample: PendingSample | None,
-                 prompt: PendingPromptLogprobs | None = None, span: _StepSpan | None = None) -> None:
+                 prompt: PendingPromptLogprobs | None = None, span: _StepSpan | None = None,
+                 request_ids: list[str] | None = None) -> None:
         self.rows = rows
+        # The rows' ids when the step was a decode streak's (`_streak_ids`), else None.
+        self.request_ids = request_ids
         self.sample = sample
         self.prompt = prompt
         self.span = span
