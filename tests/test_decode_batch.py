@@ -128,3 +128,24 @@ def test_decode_rows_over_the_budget():
         _check_decode_batch(out, kv)
         assert out.decode is not None and not out.decode.on_device
         s.update_after_step(out)
+
+
+def test_a_streak_step_matches_the_step_in_flight_by_its_ids_list_only_when_it_is_the_same_list():
+    """`_fill_pending`'s row match (`model_runner._same_rows`): the streak's own
+    id list on both steps matches at once; any other list, an equal copy
+    included, falls back to comparing the rows' requests."""
+    import numpy as np
+    from kvserve.runner.model_runner import InFlightStep, _same_rows
+    from kvserve.scheduler import DecodeBatch, ScheduledRequest, SchedulerOutput
+    a, b = (Request(i, [1, 2], SamplingParams()) for i in "ab")
+    ids = ["a", "b"]
+    out = SchedulerOutput([ScheduledRequest(a, 1, 2), ScheduledRequest(b, 1, 2)],
+                          DecodeBatch(np.array([2, 2]), on_device=True), request_ids=ids)
+    same = [ScheduledRequest(a, 1, 1), ScheduledRequest(b, 1, 1)]
+    swapped = same[::-1]
+    assert _same_rows(out, InFlightStep(swapped, None, request_ids=ids))   # the streak's list vouches
+    assert not _same_rows(out, InFlightStep(swapped, None, request_ids=list(ids)))
+    assert not _same_rows(out, InFlightStep(swapped, None))
+    assert _same_rows(out, InFlightStep(same, None))
+    out.decode = None   # not a decode step: never by the list
+    assert not _same_rows(out, InFlightStep(swapped, None, request_ids=ids))
