@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import random
 import re
 import statistics
 import subprocess
@@ -34,7 +35,7 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("schedule", "bookkeeping", "metrics", "input_prep", "host_total", "core_out")
+PARTS = ("schedule", "bookkeeping", "metrics", "input_prep", "host_total", "core_out", "launch_rest")
 _PACKAGE = re.compile(r"\bkvserve\b(?!_base)")
 
 
@@ -74,8 +75,11 @@ class Side:
         self.timer = bench.StepTimer()
         bench.instrument(self.engine, self.timer)
         self.samples: list[dict[str, int]] = []
+        # `--leave-per-step`: both sides abort the same rows (one seed), untimed, before each step.
+        self.leave_per_step, self.rng = a.leave_per_step, random.Random(1)
 
     def step(self) -> None:
+        self.bench.leave(self.engine, self.leave_per_step, self.rng)
         sample = self.bench.timed_step(self.engine, self.core, self.timer)
         sample["host_total"] = sum(sample[part] for part in self.bench.HOST_PARTS)
         self.samples.append(sample)

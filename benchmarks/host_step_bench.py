@@ -20,6 +20,11 @@ parts do not depend on them, and a busy 2-core machine then finishes the run.
     python benchmarks/host_step_bench.py --model dummy:qwen3-8b --device cuda
     python benchmarks/host_step_bench.py --stub-forward --running 256 --parts
 
+`--leave-per-step K` aborts K running requests (untimed) before every timed
+step: the running set then changes every step, as it does in a server where
+requests finish, and the steps take the general paths rather than a decode
+streak's.
+
 `--parts` also prints the callables inside those parts (`PARTS`), each's
 microseconds per step (mean over the timed steps) and calls per step: where a
 part's time goes, without a profiler's per-call overhead.
@@ -181,7 +186,7 @@ def set_up_as_served(engine: LLMEngine) -> None:
 def add_requests(engine: LLMEngine, n: int, a: argparse.Namespace) -> None:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=a.warmup + a.steps + 32, ignore_eos=True)
+    params = SamplingParams(max_tokens=a.warmup + a.steps + 32, ignore_eos=True, temperature=a.temperature)
     for i in range(n):
         prompt = [rng.randrange(3, vocab) for _ in range(a.prompt_len + i % a.block_size)]
         engine.add_request(engine.make_request(prompt, params))
@@ -238,8 +243,9 @@ def preparation(engine: LLMEngine, a: argparse.Namespace, n: int) -> Iterator[En
 
 def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int) -> dict[str, float]:
     core = prepare(engine, a, n)
-    samples = []
+    samples, rng = [], random.Random(1)
     for _ in range(a.steps):
+        leave(engine, a.leave_per_step, rng)
         samples.append(timed_step(engine, core, timer))
     # Median (robust to another process taking the CPU for a step) or, on a
     # busy shared machine, each part's best step.
@@ -250,6 +256,16 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
     row.update({k: sum(s.get(k, 0) for s in samples) / len(samples) / (1 if k.startswith("calls:") else 1e3)
                 for k in inner})
     return row
+
+
+def leave(engine: LLMEngine, count: int, rng: random.Random) -> None:
+    """`--leave-per-step`: abort `count` running requests, untimed, before a step.
+    The running set changes, as it does in a server on nearly every step (a
+    request finishes), so the step takes the general paths, not a decode
+    streak's (`kvserve/scheduler.py`'s `DecodeStreak`, `kvserve/cache/decode_run.py`)."""
+    running = engine.scheduler.running
+    for _ in range(min(count, len(running) - 1)):
+        engine.abort_request(running[rng.randrange(len(running))].request_id)
 
 
 def time_frees(engine: LLMEngine) -> float:
@@ -347,6 +363,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-mode", choices=sorted(WAIT_FLAGS), default=None,
                    help="CUDA: how the host thread waits for the device (KVSERVE_CUDA_WAIT, the context's "
                         f"scheduling flag; unset: the engine's, {DEFAULT_WAIT!r} unless the environment says)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="the requests' sampling temperature (0: greedy, so that on CPU the sampling's "
+                        "compute does not swamp the launch's host time in launch_rest)")
+    p.add_argument("--leave-per-step", type=int, default=0,
+                   help="abort this many running requests before each timed step (untimed): the running "
+                        "set changes every step, as in a server, so no decode streak holds; a row's N "
+                        "is then its count at the first timed step, N - steps x this at the last")
     p.add_argument("--pin-core", type=int, default=None,
                    help="pin the engine's thread to this CPU core once the engine is built")
     return p.parse_args(argv)

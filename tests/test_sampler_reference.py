@@ -109,6 +109,16 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
         assert out[0] == 1 and out[2] == 5
 
 
+def test_random_rows_stay_random_beside_greedy_ones():
+    """A temperature-1 row in a batch with greedy rows is still sampled, not
+    taken as the argmax: over 20 seeds, a flat row's draws cover its vocabulary."""
+    params = [SamplingParams(temperature=0.0), SamplingParams()]
+    flat = [0.0] * 6
+    drawn = {Sampler(seed, torch.device("cpu")).sample(torch.tensor([LOGITS, flat]), params, ["a", "b"])
+             .resolve().token_ids[1] for seed in range(20)}
+    assert len(drawn) >= 3, drawn
+
+
 def test_seeded_request_ignores_the_rest_of_the_batch():
     seeded = SamplingParams(seed=1234)
     alone = [_draw_seq(Sampler(0, torch.device("cpu")), [seeded], ["s"], 0) for _ in range(2)]
