@@ -372,7 +372,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "is then its count at the first timed step, N - steps x this at the last")
     p.add_argument("--pin-core", type=int, default=None,
                    help="pin the engine's thread to this CPU core once the engine is built")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.leave_per_step < 0:
+        p.error(f"--leave-per-step must be >= 0, got {a.leave_per_step}")
+    return a
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,14 @@ from operator import itemgetter, not_
 
 import numpy as np
 
+# A room's tail fill counters (the manager's `_set_room`), read in C over a step's rows.
 _room_tails = itemgetter(2)
+
+
+def room_tails(rooms: list) -> int:
+    """Tails over the rooms that exist (None: no room): the slots a step that
+    moves each of their ends by one fills."""
+    return sum(map(len, map(_room_tails, filter(None, rooms))))
 
 
 @dataclass
@@ -34,8 +41,7 @@ class DecodeRun:
     @classmethod
     def start(cls, request_ids: list[str], ends: np.ndarray, rooms: list) -> "DecodeRun":
         roomless = list(compress(range(len(rooms)), map(not_, rooms)))
-        tails = sum(map(len, map(_room_tails, filter(None, rooms))))
-        return cls(request_ids, ends.copy(), rooms, tails, roomless)
+        return cls(request_ids, ends.copy(), rooms, room_tails(rooms), roomless)
 
     def continues(self, request_ids: list[str], starts: np.ndarray) -> bool:
         """Whether a step of `request_ids` at `starts` is this run's next one."""

@@ -49,14 +49,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import itemgetter, not_
+from operator import not_
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvserve.cache import groups as layout
 from kvserve.cache.block_fill import HeldTables
-from kvserve.cache.decode_run import DecodeRun
+from kvserve.cache.decode_run import DecodeRun, room_tails
 from kvserve.cache.block_pool import BlockPool, KVBlock
 from kvserve.cache.eviction import make_eviction_policy
 from kvserve.cache.groups import KVCacheGroup
@@ -440,7 +440,7 @@ class KVCacheManager:
         are there already: `_open_roomless`), and move the fill total with
         them, as `_move_within_tail` does; a room whose tail is now full is left."""
         self._num_tokens.update(zip(request_ids, totals.tolist()))
-        self._held.fill.used_slots += sum(map(len, map(_room_tails, filter(None, rooms))))
+        self._held.fill.used_slots += room_tails(rooms)
         for i in np.flatnonzero(totals % self.block_size == 0).tolist():
             room = rooms[i]
             if room is not None and room[1] == totals[i]:
@@ -858,7 +858,3 @@ def _is_private(block: HitBlock) -> bool:
 
 def _num_before_private(table: Sequence[HitBlock]) -> int:
     return next((i for i, b in enumerate(table) if _is_private(b)), len(table))
-
-
-# A room's tail fill counters (`_set_room`), read in C over a step's rows (`_move_rooms`).
-_room_tails = itemgetter(2)

@@ -238,7 +238,7 @@ class _BatchPlan:
         self.num_top = max(p.logprobs or 0 for p in params) if some & LOGPROBS else None
         self.filters = bool(some & FILTERED)
         self.seeded = [(i, s.generator) for i, s in enumerate(states) if s.kind & SEEDED] if some & SEEDED else []
-        self.penalty_rows = [(i, s.slot) for i, s in enumerate(states) if s.slot is not None] \
+        self.penalty_rows = [(i, s.slot) for i, s in enumerate(states) if s.kind & PENALIZED] \
             if some & PENALIZED else []
         self.counted = [(i, s) for i, s in enumerate(states) if s.kind & COUNTED] if some & COUNTED else []
         self._tensors: dict[str, torch.Tensor] = {}
