@@ -27,13 +27,30 @@ def test_pad_tables_of_empty_rows_has_one_null_column():
     assert pad_tables([[], []]).tolist() == [[0], [0]]
 
 
-def test_block_table_rows_gather_equals_padded_lists_through_growth_and_release():
+def _check_gather(got: torch.Tensor, tables: list[list[int]], max_width: int | None) -> None:
+    """`got` is `tables` padded with the null block to a width that, without
+    `max_width`, is the longest's (at least 1); with it, a multiple of 16 or
+    `max_width` itself, at most 15 columns past the longest, never past
+    `max_width` unless a table is longer."""
+    longest = max(1, max(map(len, tables)))
+    width = got.shape[1]
+    assert got.tolist() == _brute(tables, width)
+    if max_width is None or longest >= max_width:
+        assert width == longest, (width, longest, max_width)
+    else:
+        assert longest <= width <= max_width and width - longest < 16, (width, longest, max_width)
+        assert width % 16 == 0 or width == max_width, (width, max_width)
+
+
+@pytest.mark.parametrize("max_width", [None, 37, 64])
+def test_block_table_rows_gather_equals_padded_lists_through_growth_and_release(max_width):
     """Random appends, nulls and releases past the initial rows and width:
-    every gather equals the brute-force padding of a dict of lists."""
+    every gather equals the brute-force padding of a dict of lists, as wide
+    as `_check_gather` says."""
     import random
 
     from kvserve.cache.block_table_rows import BlockTableRows
-    rng, rows, truth = random.Random(0), BlockTableRows(num_groups=2, rows=2, width=2), {}
+    rng, rows, truth = random.Random(0), BlockTableRows(num_groups=2, rows=2, width=2, max_width=max_width), {}
     for step in range(400):
         rid = f"r{rng.randrange(12)}"
         action = rng.random()
@@ -53,18 +70,18 @@ def test_block_table_rows_gather_equals_padded_lists_through_growth_and_release(
         if truth:
             ids = rng.sample(sorted(truth), rng.randrange(1, len(truth) + 1))
             for group, got in enumerate(rows.gather(ids)):
-                width = max(1, max(len(truth[r][group]) for r in ids))
-                assert got.tolist() == _brute([truth[r][group] for r in ids], width)
+                _check_gather(got, [truth[r][group] for r in ids], max_width)
 
 
-def test_block_table_rows_gather_of_the_same_batch_follows_rows_changing_hands():
+@pytest.mark.parametrize("max_width", [None, 40])
+def test_block_table_rows_gather_of_the_same_batch_follows_rows_changing_hands(max_width):
     """The same batch gathered step after step (its rows are remembered)
     while its requests are released and re-added and others take the freed
     rows: every gather equals the brute-force padding."""
     import random
 
     from kvserve.cache.block_table_rows import BlockTableRows
-    rng, rows, truth = random.Random(1), BlockTableRows(num_groups=1, rows=2, width=2), {}
+    rng, rows, truth = random.Random(1), BlockTableRows(num_groups=1, rows=2, width=2, max_width=max_width), {}
     batch = [f"r{i}" for i in range(6)]
     for step in range(300):
         for _ in range(rng.randrange(1, 5)):  # a request may leave and come back between gathers
@@ -82,8 +99,30 @@ def test_block_table_rows_gather_of_the_same_batch_follows_rows_changing_hands()
                 truth[rid][0].extend(new)
         ids = [r for r in batch if r in truth]
         if ids:
-            got = rows.gather(list(ids))[0]
-            assert got.tolist() == _brute([truth[r][0] for r in ids], max(1, max(len(truth[r][0]) for r in ids)))
+            _check_gather(rows.gather(list(ids))[0], [truth[r][0] for r in ids], max_width)
+
+
+def test_a_padded_batch_keeps_its_width_until_a_table_passes_it():
+    """Decode steps grow one table a block at a time: the padded batch (and
+    so the staging ring's layout) keeps one width for 16 blocks, where an
+    exact one changes at every block; a long prompt's table, appended at
+    once, still gets all its padded columns."""
+    from kvserve.cache.block_table_rows import BlockTableRows
+    padded, exact = BlockTableRows(1, max_width=1000), BlockTableRows(1)
+    for rows in (padded, exact):
+        rows.append("a", 0, 0, [7] * 3)
+        rows.append("b", 0, 0, [5] * 700)
+    widths = {"padded": set(), "exact": set()}
+    for index in range(3, 40):
+        for name, rows in (("padded", padded), ("exact", exact)):
+            rows.append_one("a", 0, index, index)
+            widths[name].add(rows.gather(["a"])[0].shape[1])
+    assert widths["padded"] == {16, 32, 48} and len(widths["exact"]) == 37
+    got = padded.gather(["a", "b"])[0]
+    assert got.shape == (2, 704) and got[1, :700].eq(5).all() and got[1, 700:].eq(0).all()
+    capped = BlockTableRows(1, max_width=37)   # max_model_len in blocks: a graph's table holds no more
+    capped.append("a", 0, 0, [3] * 34)
+    assert capped.gather(["a"])[0].shape == (1, 37)
 
 
 def test_block_table_rows_gather_after_a_batch_request_changed_rows():
@@ -273,3 +312,28 @@ def test_uploads_through_the_staging_ring_arrive_intact():
     torch.cuda.synchronize()
     for parts, (flat,) in zip(sent, got):
         assert flat.tolist() == torch.cat([p.reshape(-1).long() for p in parts]).tolist()
+
+
+def test_the_engine_pads_its_batch_tables_within_max_model_len_and_decodes_the_same():
+    """An engine's step tables are padded to multiples of 16 columns, never
+    past max_model_len in blocks (90 tokens of 4: 23, a graph's table width),
+    and its greedy tokens equal those of the same engine with exact widths."""
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 5 * i + 2))} for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outputs, widths = [], {}
+    for max_width in (23, None):
+        llm = LLM("dummy:tiny-llama", load_format="dummy", device="cpu", dtype="float32", block_size=4,
+                  max_model_len=90, max_num_seqs=8, seed=0)
+        kv = llm.engine.kv_cache
+        rows = kv._held.rows
+        assert rows.max_width == 23
+        rows.max_width = max_width
+        seen = widths[max_width] = set()
+        block_tables = kv.block_tables
+        kv.block_tables = lambda ids: [seen.add(t.shape[1]) or t for t in block_tables(ids)]
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1] and all(len(o) == 40 for o in outputs[0])
+    assert widths[23] <= {16, 23} and 23 in widths[23], widths
+    assert len(widths[None]) > 5, widths

@@ -99,12 +99,14 @@ class HeldTables:
     appended; `forget` before the groups free a request.
     """
 
-    def __init__(self, managers: Sequence["SingleTypeManager"], block_size: int) -> None:
+    def __init__(self, managers: Sequence["SingleTypeManager"], block_size: int,
+                 max_table_width: int | None = None) -> None:
         self.managers = managers
         self.block_size = block_size
         self.fill = BlockFill(block_size)
         self._ids: dict[str, list[list[int]]] = {}
-        self.rows = BlockTableRows(len(managers))  # the same ids as numpy rows, for the runner
+        # The same ids as numpy rows, for the runner.
+        self.rows = BlockTableRows(len(managers), max_width=max_table_width)
 
     def block_ids(self, request_id: str) -> list[list[int]] | None:
         """The live per-group id lists (the caller copies them), or None."""

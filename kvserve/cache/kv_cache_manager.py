@@ -113,7 +113,11 @@ class KVCacheManager:
 
     def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True, extra_keys: tuple = (),
-                 eviction_policy: str = "reuse", host_tier: HostTier | None = None) -> None:
+                 eviction_policy: str = "reuse", host_tier: HostTier | None = None,
+                 max_table_width: int | None = None) -> None:
+        """`max_table_width`: the most blocks a request's table holds (max_model_len
+        in blocks); given, the step's batch tables are padded to fewer distinct
+        widths (`BlockTableRows`)."""
         if not groups:
             raise ValueError("KVCacheManager needs at least one KV cache group")
         if block_size < 1:
@@ -145,7 +149,7 @@ class KVCacheManager:
         # End of each request's computed+scheduled range (for fragmentation).
         self._num_tokens: dict[str, int] = {}
         # Block-id mirror and fill counters, updated where tables change.
-        self._held = HeldTables(self.managers, block_size)
+        self._held = HeldTables(self.managers, block_size, max_table_width)
         # Per request holding blocks: (first end, last end, tail fill counters, the end
         # they count) between which allocate_slots only moves the end inside the tail
         # block (`_set_room`); the counters lag behind until `_sync_tails`.

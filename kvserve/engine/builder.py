@@ -97,7 +97,8 @@ def _build_driver(args: EngineArgs, resolved: ResolvedModel, device: torch.devic
     host_tier = HostTier(num_host_blocks, layout.bytes_per_block) if num_host_blocks else None
     kv_cache = KVCacheManager(rank.groups, layout.num_blocks, cache_config.block_size,
                               cache_config.enable_prefix_caching, eviction_policy=cache_config.eviction_policy,
-                              host_tier=host_tier)
+                              host_tier=host_tier,
+                              max_table_width=-(-sched_config.max_model_len // cache_config.block_size))
     _check_one_request_fits(kv_cache, sched_config)
     runner = build_runner(args, rank, num_host_blocks, step_channel=workers)
     if workers is not None:

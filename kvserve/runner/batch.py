@@ -101,17 +101,23 @@ class RowRanges(NamedTuple):
 
 
 _ROW_RANGES: dict[int, RowRanges] = {}
+_ALL_ROWS: list[RowRanges] = []   # the widest made: each size's ranges are views of it
 
 
 def _row_ranges(num_seqs: int) -> RowRanges:
     """`RowRanges` of `num_seqs` rows, made once per size and shared by every
     decode batch of that size: read-only (consumers copy or read them). A
     torch.arange was the costliest op of a decode step's input preparation,
-    ~100 us on this project's CPU with the caches cold after sampling."""
+    ~100 us on this project's CPU with the caches cold after sampling; a new
+    size (a server's running set changes size on most steps) takes views of
+    the widest ranges made, doubled when too few."""
     ranges = _ROW_RANGES.get(num_seqs)
     if ranges is None:
-        ranges = _ROW_RANGES[num_seqs] = RowRanges(torch.arange(num_seqs + 1, dtype=torch.int32),
-                                                   torch.arange(num_seqs))
+        if not _ALL_ROWS or len(_ALL_ROWS[0].rows) < num_seqs:
+            n = max(num_seqs, 2 * len(_ALL_ROWS[0].rows) if _ALL_ROWS else 256)
+            _ALL_ROWS[:] = [RowRanges(torch.arange(n + 1, dtype=torch.int32), torch.arange(n))]
+        widest = _ALL_ROWS[0]
+        ranges = _ROW_RANGES[num_seqs] = RowRanges(widest.query_start_loc[:num_seqs + 1], widest.rows[:num_seqs])
     return ranges
 
 
