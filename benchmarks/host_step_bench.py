@@ -25,6 +25,12 @@ step: the running set then changes every step, as it does in a server where
 requests finish, and the steps take the general paths rather than a decode
 streak's.
 
+`--finish-per-step K` gives the running requests staggered output limits once
+they decode, so that K of them reach theirs and finish in every timed step,
+inside it: the step's bookkeeping then pays what a server's does for a finish
+(the request leaves the scheduler, its KV is freed), and the running set
+changes as with `--leave-per-step`.
+
 `--parts` also prints the callables inside those parts (`PARTS`), each's
 microseconds per step (mean over the timed steps) and calls per step: where a
 part's time goes, without a profiler's per-call overhead.
@@ -243,6 +249,7 @@ def preparation(engine: LLMEngine, a: argparse.Namespace, n: int) -> Iterator[En
 
 def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int) -> dict[str, float]:
     core = prepare(engine, a, n)
+    stagger_limits(engine, a.finish_per_step)
     samples, rng = [], random.Random(1)
     for _ in range(a.steps):
         leave(engine, a.leave_per_step, rng)
@@ -266,6 +273,25 @@ def leave(engine: LLMEngine, count: int, rng: random.Random) -> None:
     running = engine.scheduler.running
     for _ in range(min(count, len(running) - 1)):
         engine.abort_request(running[rng.randrange(len(running))].request_id)
+
+
+def stagger_limits(engine: LLMEngine, per_step: int) -> None:
+    """`--finish-per-step`: the running requests, in a random order, the i-th
+    may give i // per_step more tokens than the step in flight brings it to, so
+    `per_step` of them finish in each timed step (the first step's in its
+    bookkeeping, as the step in flight resolves), from anywhere in the running
+    order as in a server. Each gets its own parameters, as a server's requests do."""
+    if not per_step:
+        return
+    running = list(engine.scheduler.running)
+    random.Random(2).shuffle(running)
+    for i, request in enumerate(running):
+        limit = len(request.output_token_ids) + request.num_pending_tokens + 1 + i // per_step
+        request.sampling_params = request.sampling_params.with_max_tokens(limit)
+        request.set_token_checks(engine.scheduler_config.max_model_len)
+    # The decode streak's bound on the tokens its rows may still take was set under the
+    # old limits: drop it, so that the next step's rows come from the limits above.
+    engine.scheduler._streak = None
 
 
 def time_frees(engine: LLMEngine) -> float:
@@ -370,11 +396,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="abort this many running requests before each timed step (untimed): the running "
                         "set changes every step, as in a server, so no decode streak holds; a row's N "
                         "is then its count at the first timed step, N - steps x this at the last")
+    p.add_argument("--finish-per-step", type=int, default=0,
+                   help="stagger the running requests' output limits so that this many finish inside "
+                        "each timed step (timed: the scheduler lets them go, their KV is freed); "
+                        "--steps x this must stay below --running")
     p.add_argument("--pin-core", type=int, default=None,
                    help="pin the engine's thread to this CPU core once the engine is built")
     a = p.parse_args(argv)
     if a.leave_per_step < 0:
         p.error(f"--leave-per-step must be >= 0, got {a.leave_per_step}")
+    if a.finish_per_step < 0:
+        p.error(f"--finish-per-step must be >= 0, got {a.finish_per_step}")
+    fewest = min(int(x) for x in a.running.split(","))
+    if a.finish_per_step * a.steps >= fewest:
+        p.error(f"--finish-per-step x --steps must stay below the fewest --running ({fewest}), "
+                f"got {a.finish_per_step} x {a.steps}")
     return a
 
 

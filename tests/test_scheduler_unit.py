@@ -741,3 +741,15 @@ def test_a_swapped_request_asking_for_prompt_logprobs_resumes_from_its_swap():
     s.abort_request("B")
     assert step(s) == ([("C", 1, 8)], [])
 
+
+
+def test_requests_compare_by_identity():
+    """Two requests with equal fields are two requests: the scheduler finds and
+    removes a request in its queues by identity (`in`, `list.remove`), which a
+    field-by-field __eq__ made cost ~0.6 us per request passed over, and could
+    match the wrong one."""
+    a, b = request("A", 5), request("A", 5)
+    assert a == a and a != b and len({a, b}) == 2
+    queue = [a, b]
+    queue.remove(b)
+    assert queue[0] is a
