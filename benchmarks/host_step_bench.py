@@ -278,15 +278,15 @@ def leave(engine: LLMEngine, count: int, rng: random.Random) -> None:
 def stagger_limits(engine: LLMEngine, per_step: int) -> None:
     """`--finish-per-step`: the running requests, in a random order, the i-th
     may give i // per_step more tokens than the step in flight brings it to, so
-    `per_step` of them finish in each timed step (the first step's in its
-    bookkeeping, as the step in flight resolves), from anywhere in the running
+    `per_step` of them finish in each timed step (as the step before resolves,
+    in the timed step's bookkeeping), from anywhere in the running
     order as in a server. Each gets its own parameters, as a server's requests do."""
     if not per_step:
         return
     running = list(engine.scheduler.running)
     random.Random(2).shuffle(running)
     for i, request in enumerate(running):
-        limit = len(request.output_token_ids) + request.num_pending_tokens + 1 + i // per_step
+        limit = len(request.output_token_ids) + max(request.num_pending_tokens, 1) + i // per_step
         request.sampling_params = request.sampling_params.with_max_tokens(limit)
         request.set_token_checks(engine.scheduler_config.max_model_len)
     # The decode streak's bound on the tokens its rows may still take was set under the

@@ -24,3 +24,21 @@ def test_the_bench_runs_with_requests_leaving_every_step(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "host_total" in out and "\n           6 " in out
     assert counts == [5, 4, 3]
+
+
+def test_the_bench_finishes_requests_inside_every_timed_step(capsys, monkeypatch):
+    """`--finish-per-step 2`: two requests finish (length) in each of the three
+    timed steps, found in the step's own output processing."""
+    finished_per_step = []
+    timed_step = host_step_bench.timed_step
+
+    def counted(engine, core, timer):
+        before = len(engine.scheduler.running)
+        row = timed_step(engine, core, timer)
+        finished_per_step.append(before - len(engine.scheduler.running))
+        return row
+    monkeypatch.setattr(host_step_bench, "timed_step", counted)
+    host_step_bench.main(["--stub-forward", "--running", "8", "--steps", "3", "--warmup", "1",
+                          "--prompt-len", "24", "--finish-per-step", "2", "--temperature", "0"])
+    assert "host_total" in capsys.readouterr().out
+    assert finished_per_step == [2, 2, 2]
