@@ -131,6 +131,8 @@ def sides(base_bench: ModuleType, new_bench: ModuleType, a: argparse.Namespace, 
                 del steps[side]
             else:
                 side.core = core
+    for side in (base, new):   # `--finish-per-step`: the same limits on both sides (one seed)
+        side.bench.stagger_limits(side.engine, a.finish_per_step)
     return base, new
 
 
