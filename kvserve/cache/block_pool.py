@@ -198,16 +198,17 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop a reference; blocks reaching 0 join the queue in the given order,
         so pass the ones to evict first first (a request's tail before its head)."""
+        append, on_free_cached = self.free_queue.append, self.on_free_cached   # once a freed request's block
         for block in blocks:
-            if block.is_null:
+            if block.block_id == NULL_BLOCK_ID:   # not block.is_null: a property call a block
                 continue
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
-                if block.block_hash is not None and self.on_free_cached is not None:
-                    self.on_free_cached(block)
+                append(block)
+                if block.block_hash is not None and on_free_cached is not None:
+                    on_free_cached(block)
 
     def get_cached_block(self, group_id: int, block_hash: bytes,
                          content: BlockContent) -> KVBlock | None:

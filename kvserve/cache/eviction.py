@@ -50,7 +50,13 @@ class ReuseAwareQueue:
         return self._hot if block.num_hits > 0 else self._cold
 
     def append(self, block: KVBlock) -> None:
-        queue = self._target(block)
+        # `_target` inlined: once per block a finished request frees.
+        if block.block_hash is None:
+            queue = self._uncached
+        elif block.num_children > 0:
+            queue = self._inner
+        else:
+            queue = self._hot if block.num_hits > 0 else self._cold
         queue.append(block)
         block.free_list = queue
         self._len += 1
