@@ -117,14 +117,31 @@ class DecodeBatch:
         return len(self.starts)
 
 
+class StreakStep(NamedTuple):
+    """The rows a `DecodeStreak` gives the step after it, with what the scheduler
+    keeps of them: their starts, the tokens each could still be given (this
+    step's included), their request ids (the streak's own list while every row
+    stays), and, when some rows left, the streak's id list with the rows of its
+    step that stay (`SchedulerOutput.previous_rows`)."""
+
+    rows: list[ScheduledRequest]
+    requests: list[Request]
+    starts: np.ndarray
+    lefts: np.ndarray
+    request_ids: list[str]
+    previous_rows: tuple[list[str], np.ndarray] | None
+    num_idle: int   # running requests not in the rows: each has its last token in flight
+
+
 @dataclass
 class DecodeStreak:
-    """The last steady decode step (module doc): its running requests, their
-    starts, and the fewest tokens any of them could still be given then."""
+    """The last steady decode step (module doc): its rows' requests, their
+    starts, and the tokens each could still be given then, that step's one
+    included (`lefts`)."""
 
     requests: list[Request]
     starts: np.ndarray
-    min_left: int
+    lefts: np.ndarray        # int64, one a row
     advanced: bool = False   # its launch ran `update_after_step` (the streak is always the last schedule's)
     # The requests' ids (read from them unless given), kept while the streak holds:
     # `KVCacheManager.allocate_decode_rows` and the batch's block tables take them.
@@ -134,17 +151,50 @@ class DecodeStreak:
         if self.request_ids is None:
             self.request_ids = list(map(_request_id_of, self.requests))
 
-    def next_rows(self, running: list[Request], budget: int) -> list[ScheduledRequest] | None:
-        """The rows of the step after it, each request's start one further, or
-        None unless the streak holds: advanced, the same requests (identity, in
-        order), all still able to grow and within the budget, each with a token
-        still on the device (a caller may resolve a step before the next one
-        is launched: its tokens are then on the host)."""
-        if not self.advanced or self.min_left <= 1 or len(running) > budget or running != self.requests:
+    def next_step(self, running: list[Request], budget: int, gone: Sequence[Request] = ()) -> StreakStep | None:
+        """The step after it, or None unless the streak holds: advanced, the
+        running requests its rows' (identity, in order) less those that left
+        since (`gone`: finished or aborted), and those that can still take a
+        token, at least one and within the budget, each with a token still on
+        the device (a caller may resolve a step before the next one is
+        launched: its tokens are then on the host). Its rows are those
+        requests, each one token further; a row whose last token is in flight
+        stays running without one."""
+        if not self.advanced:
             return None
-        if not all(map(_pending_of, running)):
+        keep = self.lefts > 1
+        if running != self.requests:
+            dropped = self._dropped(running, gone)
+            if dropped is None:
+                return None
+            keep[dropped] = False
+        if keep.all():
+            requests, ids, starts, lefts, previous = running, self.request_ids, self.starts + 1, self.lefts - 1, None
+        else:
+            kept = np.flatnonzero(keep)
+            picks = kept.tolist()
+            requests, ids = list(map(self.requests.__getitem__, picks)), list(map(self.request_ids.__getitem__, picks))
+            starts, lefts, previous = self.starts[kept] + 1, self.lefts[kept] - 1, (self.request_ids, kept)
+        if not requests or len(requests) > budget or not all(map(_pending_of, requests)):
             return None
-        return list(map(_tuple_new, _repeat(ScheduledRequest), zip(running, _repeat(1), (self.starts + 1).tolist())))
+        rows = list(map(_tuple_new, _repeat(ScheduledRequest), zip(requests, _repeat(1), starts.tolist())))
+        return StreakStep(rows, requests, starts, lefts, ids, previous, len(running) - len(rows))
+
+    def _dropped(self, running: list[Request], gone: Sequence[Request]) -> list[int] | None:
+        """The indices of the streak's rows whose requests are `gone`, when
+        `running` is the rows' requests less those (else None)."""
+        index, dropped = self.requests.index, set()
+        for request in gone:
+            try:
+                dropped.add(index(request))   # identity: Request compares by it
+            except ValueError:
+                pass   # not one of the rows (it waited, or left before the streak's step)
+        if not dropped or len(running) + len(dropped) != len(self.requests):
+            return None
+        stay = list(self.requests)
+        for i in sorted(dropped, reverse=True):
+            del stay[i]
+        return sorted(dropped) if stay == running else None
 
 
 @dataclass
@@ -159,6 +209,9 @@ class SchedulerOutput:
     kv_prefetch: CopyBatch = field(default_factory=CopyBatch)
     # The rows' request ids, when a decode streak kept them (else None: read them from the rows).
     request_ids: list[str] | None = None
+    # When some of the streak's rows left: its id list (that of the step before, which
+    # the step in flight keeps) and, per row of this step, its row in that step.
+    previous_rows: tuple[list[str], np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -222,8 +275,10 @@ class Scheduler:
         # policy), computed at most once per step.
         self._prefilled_prefixes: set[bytes] | None = None
         self._streak: DecodeStreak | None = None   # the last step's, while it was steady decode
-        self._held_streak: DecodeStreak | None = None   # the streak this step's rows come from, if any
-        self._min_left = 0   # the rows' fewest tokens left to give (`_running_rows`)
+        self._held_streak: StreakStep | None = None   # this step's rows, when a streak gave them
+        self._lefts: np.ndarray | list[int] = []   # per row, the tokens it could still be given (`_running_rows`)
+        self._num_idle = 0   # running requests without a row, their last token in flight (`_running_rows`)
+        self._gone: list[Request] = []   # requests finished since the last schedule (`DecodeStreak.next_step`)
 
     # -- queue management ------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -240,6 +295,8 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, status: RequestStatus) -> None:
+        if self._streak is not None:   # the next schedule's streak may go on without it
+            self._gone.append(request)
         request.status = status
         request.finished_time = time.monotonic()
         self.kv_cache.free(request)
@@ -260,23 +317,27 @@ class Scheduler:
         if out.decode is not None and out.decode.num_rows != len(out.scheduled):
             out.decode = None  # admissions joined the decode rows
         if out.request_ids is not None and len(out.request_ids) != len(out.scheduled):
-            out.request_ids = None  # admissions joined the streak's rows
+            out.request_ids = out.previous_rows = None  # admissions joined the streak's rows
         if deferred:
             out.kv_prefetch = self.kv_cache.take_pending_copies()
         else:
             out.kv_copies = self.kv_cache.take_pending_copies()
         self._streak = self._new_streak(out)
+        self._gone = []
         return out
 
     def _new_streak(self, out: SchedulerOutput) -> DecodeStreak | None:
-        """The step's streak when it is decode of every running request (steady
-        only once `update_after_step` finds its tokens on the device: `advanced`)."""
+        """The step's streak when it is decode of every running request but those
+        whose last token is in flight (steady only once `update_after_step` finds
+        its tokens on the device: `advanced`)."""
         decode = out.decode
-        if decode is None or out.preempted or len(out.scheduled) != len(self.running):
+        if decode is None or out.preempted or len(out.scheduled) + self._num_idle != len(self.running):
             return None
-        held = self._held_streak   # the same requests: its ids hold
-        return DecodeStreak(list(self.running), decode.starts, self._min_left,
-                            request_ids=held.request_ids if held is not None else None)
+        held = self._held_streak   # its rows are the step's: its requests and ids hold
+        if held is not None:
+            return DecodeStreak(list(held.requests), decode.starts, held.lefts, request_ids=held.request_ids)
+        requests = list(self.running) if not self._num_idle else list(map(_request_of, out.scheduled))
+        return DecodeStreak(requests, decode.starts, np.array(self._lefts, dtype=np.int64))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests in order, each up to its known tokens, their KV
@@ -286,12 +347,12 @@ class Scheduler:
         the rows again."""
         rows, left, marks = self._running_rows(budget)
         num_candidates, streak = len(rows), self._held_streak
-        starts = streak.starts + 1 if streak is not None else None
-        out.scheduled = self._allocate_running(rows, out, streak, starts)
+        starts = streak.starts if streak is not None else None
+        out.scheduled = self._allocate_running(rows, out, streak)
         if len(rows) < num_candidates:  # rows of preempted requests were dropped
             left, starts = budget - sum(map(_num_new_of, rows)), None
         elif streak is not None:
-            out.request_ids = streak.request_ids
+            out.request_ids, out.previous_rows = streak.request_ids, streak.previous_rows
         out.decode = _decode_batch(rows, *marks, starts)
         return left
 
@@ -303,24 +364,25 @@ class Scheduler:
         whose token the host already has (len(rows) when there is none)."""
         rows: list[ScheduledRequest] = []
         self._held_streak = None
+        self._num_idle = 0
         if budget <= 0:
             return rows, budget, (0, 0)
         streak = self._streak
-        fast = streak.next_rows(self.running, budget) if streak is not None else None
-        if fast is not None:
-            self._min_left = streak.min_left - 1
-            self._held_streak = streak
+        held = streak.next_step(self.running, budget, self._gone) if streak is not None else None
+        if held is not None:
+            self._held_streak, self._num_idle = held, held.num_idle
+            fast = held.rows
             return fast, budget - len(fast), (len(fast), len(fast))
         multi = known = None
         append = rows.append
-        min_left = 1 << 62
+        lefts = self._lefts = []
         for request in self.running:  # hot loop: Request's properties inlined
             num_output, pending = len(request.output_token_ids), request.num_pending_tokens
             left = request.sampling_params.max_tokens - num_output - pending
             if left <= 0:  # not can_grow: its last token is in flight
+                self._num_idle += 1
                 continue
-            if left < min_left:
-                min_left = left
+            lefts.append(left)
             start = request.num_computed_tokens
             num_left = len(request.prompt_token_ids) + num_output + pending - start
             if num_left != 1 and multi is None:
@@ -334,19 +396,17 @@ class Scheduler:
             append(_tuple_new(ScheduledRequest, (request, num_left, start)))
             budget -= num_left
         end = len(rows)
-        self._min_left = min_left
         return rows, budget, (end if multi is None else multi, end if known is None else known)
 
     def _allocate_running(self, rows: list[ScheduledRequest], out: SchedulerOutput,
-                          streak: DecodeStreak | None = None,
-                          starts: np.ndarray | None = None) -> list[ScheduledRequest]:
+                          streak: StreakStep | None = None) -> list[ScheduledRequest]:
         """Allocate the rows' KV in order; where blocks run out, preempt the
         newest running requests until the row fits (`_preempt_until_fits`) and
         drop the rows of those preempted. Returns `rows`, cut to those kept.
-        `streak`: the one the rows come from, which vouches for them (each
-        computes one token at its request's num_computed_tokens, `starts`)."""
+        `streak`: the streak's step the rows are, which vouches for them (each
+        computes one token at its request's num_computed_tokens, its `starts`)."""
         if streak is not None:
-            done = self.kv_cache.allocate_decode_rows(rows, streak.request_ids, starts)
+            done = self.kv_cache.allocate_decode_rows(rows, streak.request_ids, streak.starts)
         else:
             done = self.kv_cache.allocate_rows(rows)
         while done < len(rows):
@@ -560,6 +620,7 @@ _tuple_new = tuple.__new__
 # A row's fields, for C-level passes over a step's rows (`map`: no Python frame per row).
 row_request_id = attrgetter("request.request_id")
 _request_id_of = attrgetter("request_id")
+_request_of = itemgetter(0)
 _num_new_of = itemgetter(1)
 _pending_of = attrgetter("num_pending_tokens")
 _start_of = itemgetter(2)

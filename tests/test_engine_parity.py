@@ -58,3 +58,29 @@ def test_same_outputs_under_chunking_and_preemption(checkpoints, kind, block_siz
     assert got == expected + expected[:3]
     assert metrics["num_preemptions"] > 0
     assert metrics["kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-hybrid"])
+def test_staggered_finishes_keep_hf_parity(checkpoints, kind, monkeypatch):
+    """Requests that finish one after another in the middle of steady decode
+    (each its own max_tokens): the decode streak goes on without them, each
+    remaining row's pending token taken from its row of the step in flight
+    (`SchedulerOutput.previous_rows`). Each output is the first max_tokens of
+    HF's greedy continuation, and that path ran."""
+    from kvserve.runner import model_runner
+    prompts, refs = checkpoints
+    path, expected = refs[kind]
+    kept_steps = []
+    kept_rows = model_runner._kept_rows
+
+    def counted(out, previous):
+        kept = kept_rows(out, previous)
+        kept_steps.append(kept is not None)
+        return kept
+    monkeypatch.setattr(model_runner, "_kept_rows", counted)
+    limits = [24, 9, 21, 12, 18, 15]   # rows leave from the middle first: a prefix of the rows would not do
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in limits]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [e[:n] for e, n in zip(expected, limits)]
+    assert sum(kept_steps) >= 3, kept_steps

@@ -242,10 +242,15 @@ class ModelRunner:
             inputs.meta.cascade = cascade.build_plan(table, lens, self.layout.block_size, self.device, groups)
 
     def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
-        if (out.decode is not None and out.decode.on_device and previous is not None
-                and previous.sample is not None and _same_rows(out, previous)):
-            inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: every token pending, row i is row i
-            return
+        if out.decode is not None and out.decode.on_device and previous is not None and previous.sample is not None:
+            if _same_rows(out, previous):
+                inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: every token pending, row i is row i
+                return
+            kept = _kept_rows(out, previous)
+            if kept is not None:   # the streak's rows but those that left: row i is row kept[i]
+                index = upload(torch.from_numpy(kept), self.device)
+                inputs.input_ids.copy_(previous.sample.token_ids.index_select(0, index))
+                return
         flat = np.flatnonzero(inputs.host.input_ids.numpy() == PENDING_TOKEN)
         if not len(flat):
             return
@@ -332,6 +337,15 @@ def _same_rows(out: SchedulerOutput, previous: "InFlightStep") -> bool:
     if ids is not None and ids is previous.request_ids:
         return True
     return _same_requests(out.scheduled, previous.rows)
+
+
+def _kept_rows(out: SchedulerOutput, previous: "InFlightStep") -> np.ndarray | None:
+    """Each row's row in `previous`, when the decode streak gave `out` the rows of
+    `previous` that stay (`SchedulerOutput.previous_rows`); else None."""
+    source = out.previous_rows
+    if source is None or out.request_ids is None or source[0] is not previous.request_ids:
+        return None
+    return source[1]
 
 
 def _same_requests(scheduled: list[ScheduledRequest], previous: list[ScheduledRequest]) -> bool:
