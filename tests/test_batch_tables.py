@@ -102,6 +102,29 @@ def test_block_table_rows_gather_of_the_same_batch_follows_rows_changing_hands(m
             _check_gather(rows.gather(list(ids))[0], [truth[r][0] for r in ids], max_width)
 
 
+@pytest.mark.parametrize("max_width", [None, 64])
+def test_a_batch_less_a_released_request_is_gathered_without_a_new_batch(max_width, monkeypatch):
+    """A decode streak going on without a finished request gathers the last
+    batch less that request: its rows are kept (no new batch is built), the
+    tables equal the padding of the lists, and the width shrinks to the
+    longest left (exactly, or padded)."""
+    from kvserve.cache.block_table_rows import BlockTableRows
+    rows = BlockTableRows(1, max_width=max_width)
+    tables = {"a": [1, 2], "b": list(range(3, 40)), "c": [4, 5, 6]}
+    for rid, table in tables.items():
+        rows.append(rid, 0, 0, table)
+    rows.gather(["a", "b", "c"])
+    built = []
+    new_batch = rows._new_batch
+    monkeypatch.setattr(rows, "_new_batch", lambda ids: built.append(ids) or new_batch(ids))
+    rows.release("b")
+    got = rows.gather(["a", "c"])[0]
+    _check_gather(got, [tables["a"], tables["c"]], max_width)
+    assert built == []
+    rows.release("x")   # never held a row: nothing changes
+    assert rows.gather(["a", "c"])[0].tolist() == got.tolist() and built == []
+
+
 def test_a_padded_batch_keeps_its_width_until_a_table_passes_it():
     """Decode steps grow one table a block at a time: the padded batch (and
     so the staging ring's layout) keeps one width for 16 blocks, where an

@@ -100,6 +100,25 @@ class BlockTableRows:
             lengths[row] = 0
         self._free_rows.append(row)
         self._version += 1
+        self._drop_from_batch(request_id)
+
+    def _drop_from_batch(self, request_id: str) -> None:
+        """The last batch, valid before `request_id` released its row, less that
+        request: the next step's batch when a decode streak goes on without the
+        requests that left (`DecodeStreak.next_step`), gathered then with no
+        dict pass over its ids."""
+        batch = self._batch
+        if batch is None or batch.version != self._version - 1:
+            return
+        ids = batch.request_ids
+        try:
+            i = ids.index(request_id)
+        except ValueError:   # not in it: its rows stand
+            self._batch = batch._replace(version=self._version)
+            return
+        rows = np.delete(batch.rows, i)
+        widths = [self._padded(max(int(lengths[rows].max(initial=0)), 1)) for lengths in self._lengths]
+        self._batch = _Batch(ids[:i] + ids[i + 1:], self._version, rows, widths)
 
     def table(self, request_id: str, group: int) -> list[int]:
         """One row as a list (its length's entries; [] for an unknown request).
