@@ -9,7 +9,10 @@ block 0, so a gathered batch is already padded.
 
 Steady decode gathers the same batch step after step: its rows and widths
 are remembered (`_Batch`) while no row changes hands and no table grows past
-them, so such a gather is a list comparison and one copy per group.
+them, so such a gather is a list comparison and one copy per group. A decode
+streak that goes on without some rows names the rows it keeps of the last
+batch's id list (`gather`'s `previous_rows`): their rows are picked from the
+last batch's, with no dict pass over the ids.
 
 Given `max_width` (the most entries a request's table can hold: the engine's
 max_model_len in blocks), a batch's width is rounded up to a multiple of
@@ -35,11 +38,13 @@ WIDTH_STEP = 16   # table columns a batch's width is rounded up to (module doc)
 
 class _Batch(NamedTuple):
     """The last gathered batch: its request ids, the rows they had (valid while
-    `BlockTableRows._version` stays), and per group the batch's width."""
+    `BlockTableRows._version` stays), per group the batch's width, and the id
+    list it was gathered for (the object: a decode streak's `previous_rows` names it)."""
     request_ids: list[str]
     version: int
     rows: np.ndarray
     widths: list[int]
+    source: list[str] | None = None
 
 
 class BlockTableRows:
@@ -100,25 +105,6 @@ class BlockTableRows:
             lengths[row] = 0
         self._free_rows.append(row)
         self._version += 1
-        self._drop_from_batch(request_id)
-
-    def _drop_from_batch(self, request_id: str) -> None:
-        """The last batch, valid before `request_id` released its row, less that
-        request: the next step's batch when a decode streak goes on without the
-        requests that left (`DecodeStreak.next_step`), gathered then with no
-        dict pass over its ids."""
-        batch = self._batch
-        if batch is None or batch.version != self._version - 1:
-            return
-        ids = batch.request_ids
-        try:
-            i = ids.index(request_id)
-        except ValueError:   # not in it: its rows stand
-            self._batch = batch._replace(version=self._version)
-            return
-        rows = np.delete(batch.rows, i)
-        widths = [self._padded(max(int(lengths[rows].max(initial=0)), 1)) for lengths in self._lengths]
-        self._batch = _Batch(ids[:i] + ids[i + 1:], self._version, rows, widths)
 
     def table(self, request_id: str, group: int) -> list[int]:
         """One row as a list (its length's entries; [] for an unknown request).
@@ -132,18 +118,41 @@ class BlockTableRows:
             raise RuntimeError(f"row of {request_id!r} in group {group} has ids past its length {length}")
         return values[:length]
 
-    def gather(self, request_ids: list[str]) -> list[torch.Tensor]:
+    def gather(self, request_ids: list[str],
+               previous_rows: tuple[list[str], np.ndarray] | None = None) -> list[torch.Tensor]:
         """Per group, the requests' tables as one [len(request_ids), W] int32
-        tensor (a copy), W the longest of them (at least 1)."""
+        tensor (a copy), W the longest of them (at least 1; padded: module doc).
+        `previous_rows`: when `request_ids` are rows `kept` of the id list
+        `source`, (source, kept) (a decode streak going on without some rows:
+        `SchedulerOutput.previous_rows`); the last batch, if gathered for that
+        list, gives their rows. Whatever rows changed hands since, those
+        requests' did not: they ran all along (the streak vouches)."""
         batch = self._batch
         if batch is None or batch.version != self._version or request_ids != batch.request_ids:
-            batch = self._batch = self._new_batch(request_ids)
+            if batch is not None and previous_rows is not None and previous_rows[0] is batch.source:
+                batch = self._batch = self._kept_batch(batch, request_ids, previous_rows[1])
+            else:
+                batch = self._batch = self._new_batch(request_ids)
+        elif batch.source is not request_ids:   # an equal list: the next step's previous_rows name this one
+            batch = self._batch = batch._replace(source=request_ids)
         return [torch.from_numpy(table[batch.rows, :width]) for table, width in zip(self._tables, batch.widths)]
 
     def _new_batch(self, request_ids: list[str]) -> _Batch:
         rows = np.fromiter(map(self._row_of.__getitem__, request_ids), dtype=np.int64, count=len(request_ids))
+        return self._batch_of(request_ids, rows)
+
+    def _kept_batch(self, batch: _Batch, request_ids: list[str], kept: np.ndarray) -> _Batch:
+        """`batch`'s rows `kept`, the batch of `request_ids`. Padded, it keeps its
+        widths (still wide enough): a width that shrank when a long table left
+        would grow back as the others do, a new layout each time on CUDA."""
+        if self.max_width is None:
+            return self._batch_of(request_ids, batch.rows[kept])
+        return _Batch(list(request_ids), batch.version, batch.rows[kept], batch.widths, request_ids)
+
+    def _batch_of(self, request_ids: list[str], rows: np.ndarray) -> _Batch:
+        """The batch of `request_ids` at `rows`, as wide as its longest table needs."""
         widths = [self._padded(max(int(lengths[rows].max(initial=0)), 1)) for lengths in self._lengths]
-        return _Batch(list(request_ids), self._version, rows, widths)
+        return _Batch(list(request_ids), self._version, rows, widths, request_ids)
 
     def _padded(self, width: int) -> int:
         """A batch's width for its longest table's `width` (module doc)."""

@@ -789,11 +789,13 @@ class KVCacheManager:
             return [[] for _ in self.managers]
         return [table.copy() for table in ids]
 
-    def block_tables(self, request_ids: list[str]) -> list[torch.Tensor]:
+    def block_tables(self, request_ids: list[str],
+                     previous_rows: tuple[list[str], np.ndarray] | None = None) -> list[torch.Tensor]:
         """Per group, the requests' block tables as one [len(request_ids), W]
         int32 tensor padded with the null block: the step's batch tables,
-        gathered from rows kept up to date where tables change."""
-        return self._held.rows.gather(request_ids)
+        gathered from rows kept up to date where tables change.
+        `previous_rows`: `SchedulerOutput.previous_rows` (`BlockTableRows.gather`)."""
+        return self._held.rows.gather(request_ids, previous_rows)
 
     def num_blocks_needed(self, num_tokens: int, chunk_tokens: int = 1) -> int:
         """Peak blocks one request holds across groups to reach `num_tokens`,

@@ -145,7 +145,8 @@ class LLMEngine:
             self._start_write_backs()
             return touched
         start = time.monotonic()
-        tables = self.kv_cache.block_tables(out.request_ids or list(map(row_request_id, out.scheduled)))
+        tables = self.kv_cache.block_tables(out.request_ids or list(map(row_request_id, out.scheduled)),
+                                            out.previous_rows)
         drained: list[Request] = []
         drain = functools.partial(self._drain_before_long_launch, emit, drained) \
             if self._drains_before(out) else None
