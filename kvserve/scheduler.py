@@ -128,6 +128,7 @@ class StreakStep(NamedTuple):
     requests: list[Request]
     starts: np.ndarray
     lefts: np.ndarray
+    min_left: int
     request_ids: list[str]
     previous_rows: tuple[list[str], np.ndarray] | None
     num_idle: int   # running requests not in the rows: each has its last token in flight
@@ -142,6 +143,7 @@ class DecodeStreak:
     requests: list[Request]
     starts: np.ndarray
     lefts: np.ndarray        # int64, one a row
+    min_left: int            # the fewest: while above 1, every row takes another token (no array pass)
     advanced: bool = False   # its launch ran `update_after_step` (the streak is always the last schedule's)
     # The requests' ids (read from them unless given), kept while the streak holds:
     # `KVCacheManager.allocate_decode_rows` and the batch's block tables take them.
@@ -162,23 +164,33 @@ class DecodeStreak:
         stays running without one."""
         if not self.advanced:
             return None
+        same = running == self.requests
+        if same and self.min_left > 1:   # steady: every row goes on
+            return self._step(running, budget, running, self.request_ids, self.starts + 1, self.lefts - 1,
+                              self.min_left - 1, None)
         keep = self.lefts > 1
-        if running != self.requests:
+        if not same:
             dropped = self._dropped(running, gone)
             if dropped is None:
                 return None
             keep[dropped] = False
-        if keep.all():
-            requests, ids, starts, lefts, previous = running, self.request_ids, self.starts + 1, self.lefts - 1, None
-        else:
-            kept = np.flatnonzero(keep)
-            picks = kept.tolist()
-            requests, ids = list(map(self.requests.__getitem__, picks)), list(map(self.request_ids.__getitem__, picks))
-            starts, lefts, previous = self.starts[kept] + 1, self.lefts[kept] - 1, (self.request_ids, kept)
-        if not requests or len(requests) > budget or not all(map(_pending_of, requests)):
+        kept = np.flatnonzero(keep)
+        if not len(kept):
+            return None
+        picks, lefts = kept.tolist(), self.lefts[kept] - 1
+        return self._step(running, budget, list(map(self.requests.__getitem__, picks)),
+                          list(map(self.request_ids.__getitem__, picks)), self.starts[kept] + 1, lefts,
+                          int(lefts.min()), (self.request_ids, kept))
+
+    @staticmethod
+    def _step(running: list[Request], budget: int, requests: list[Request], ids: list[str], starts: np.ndarray,
+              lefts: np.ndarray, min_left: int, previous: tuple | None) -> StreakStep | None:
+        """The step of `requests` (of `running`) at `starts`, or None when the budget
+        is short or a request's token is on the host."""
+        if len(requests) > budget or not all(map(_pending_of, requests)):
             return None
         rows = list(map(_tuple_new, _repeat(ScheduledRequest), zip(requests, _repeat(1), starts.tolist())))
-        return StreakStep(rows, requests, starts, lefts, ids, previous, len(running) - len(rows))
+        return StreakStep(rows, requests, starts, lefts, min_left, ids, previous, len(running) - len(rows))
 
     def _dropped(self, running: list[Request], gone: Sequence[Request]) -> list[int] | None:
         """The indices of the streak's rows whose requests are `gone`, when
@@ -335,9 +347,10 @@ class Scheduler:
             return None
         held = self._held_streak   # its rows are the step's: its requests and ids hold
         if held is not None:
-            return DecodeStreak(list(held.requests), decode.starts, held.lefts, request_ids=held.request_ids)
+            return DecodeStreak(list(held.requests), decode.starts, held.lefts, held.min_left,
+                                request_ids=held.request_ids)
         requests = list(self.running) if not self._num_idle else list(map(_request_of, out.scheduled))
-        return DecodeStreak(requests, decode.starts, np.array(self._lefts, dtype=np.int64))
+        return DecodeStreak(requests, decode.starts, np.array(self._lefts, dtype=np.int64), min(self._lefts))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests in order, each up to its known tokens, their KV

@@ -104,6 +104,7 @@ def _shadowed_running_rows(scheduler, counts: dict):
             assert [tuple(r) for r in result[0]] == [tuple(r) for r in rows]
             assert (result[1], result[2], idle) == (left, marks, scheduler._num_idle)
             assert np.array_equal(held.lefts, scheduler._lefts) and held.starts.tolist() == [r[2] for r in rows]
+            assert held.min_left == min(scheduler._lefts)
             if held.previous_rows is not None:   # the rows that stayed, as rows of the streak's step
                 ids, kept = held.previous_rows
                 assert ids is streak.request_ids and [ids[i] for i in kept] == held.request_ids
@@ -151,11 +152,12 @@ def test_a_decode_streak_gives_rows_only_while_it_holds():
     a, b, c = (Request(name, [1, 2], SamplingParams(max_tokens=9), num_pending_tokens=1) for name in "abc")
 
     def streak(**changes):
-        fields = dict(requests=[a, b], starts=np.array([5, 8]), lefts=np.array([3, 4]), advanced=True)
-        return DecodeStreak(**{**fields, **changes})
+        fields = dict(requests=[a, b], starts=np.array([5, 8]), lefts=np.array([3, 4]), min_left=3, advanced=True)
+        fields.update(changes)
+        return DecodeStreak(**{**fields, "min_left": min(fields["lefts"])})
     step = streak().next_step([a, b], 2)
     assert [tuple(r) for r in step.rows] == [(a, 1, 6), (b, 1, 9)]
-    assert step.lefts.tolist() == [2, 3] and step.previous_rows is None and step.num_idle == 0
+    assert step.lefts.tolist() == [2, 3] and step.min_left == 2 and step.previous_rows is None and step.num_idle == 0
     assert streak(advanced=False).next_step([a, b], 2) is None
     assert streak().next_step([a, c], 2) is None
     assert streak().next_step([b, a], 2) is None
@@ -179,11 +181,11 @@ def test_a_decode_streak_goes_on_without_the_rows_that_left():
     other = Request("x", [1], SamplingParams(max_tokens=9))
 
     def streak(lefts=(3, 4, 5, 6)):
-        return DecodeStreak([a, b, c, d], np.array([5, 8, 9, 4]), np.array(lefts), advanced=True)
+        return DecodeStreak([a, b, c, d], np.array([5, 8, 9, 4]), np.array(lefts), min(lefts), advanced=True)
     s = streak()
     step = s.next_step([a, c, d], 4, [b, other])
     assert [tuple(r) for r in step.rows] == [(a, 1, 6), (c, 1, 10), (d, 1, 5)]
-    assert step.request_ids == ["a", "c", "d"] and step.lefts.tolist() == [2, 4, 5]
+    assert step.request_ids == ["a", "c", "d"] and step.lefts.tolist() == [2, 4, 5] and step.min_left == 2
     assert step.previous_rows[0] is s.request_ids and step.previous_rows[1].tolist() == [0, 2, 3]
     assert step.num_idle == 0
     step = streak(lefts=(3, 1, 5, 6)).next_step([a, b, c, d], 4)   # b's last token is in flight: it idles
