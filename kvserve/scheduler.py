@@ -46,17 +46,22 @@ each other, so under this policy an admission must also leave one free block
 per running request (each may cross a block boundary before the next
 admission).
 
-Steady decode: a step whose rows are every running request, each computing
-its one last token with its previous token still on the device, leaves a
-`DecodeStreak`. If the launch advanced it (`update_after_step`) and the next
-step finds the same running requests in the same order, each still with a
-token on the device, their state moved only as a decode step moves it
-(computed +1, one more token sampled), so their rows are the streak's starts
-plus one, built without reading a request's other fields, and their KV is
-allocated over arrays (`KVCacheManager.allocate_decode_rows`, with the ids the
-streak keeps). Anything else that changes a running request (finish, abort,
-preemption, admission, a failed launch) changes the running list or skips the
-advance, and the rows are read request by request again.
+Steady decode: a step whose rows are every running request (but those whose
+last token is in flight), each computing its one last token with its previous
+token still on the device, leaves a `DecodeStreak`. If the launch advanced it
+(`update_after_step`) and the next step finds the same running requests in the
+same order, less those that finished or were aborted since (`finish` notes
+them), each still with a token on the device, their state moved only as a
+decode step moves it (computed +1, one more token sampled). Their rows are then
+the streak's rows that can take another token, at the streak's starts plus one,
+built without reading a request's other fields, and their KV is allocated over
+arrays (`KVCacheManager.allocate_decode_rows`, with the ids the streak keeps).
+When rows left, the step names the rows it keeps of the streak's step
+(`SchedulerOutput.previous_rows`): the runner takes their pending tokens, and
+the cache their block tables, from that step's. Anything else that changes a
+running request (preemption, rotation, admission, a failed launch) changes the
+running list otherwise or skips the advance, and the rows are read request by
+request again.
 
 Prompt logprobs: a prefix hit skips computing its positions, and with them
 their logprobs, so a request asking for prompt logprobs takes a hit only over
