@@ -137,6 +137,14 @@ def test_a_streak_s_rows_less_those_that_left_are_gathered_from_the_last_batch(m
                 truth[rid].append(rng.randrange(1, 999))
                 rows.append_one(rid, 0, len(truth[rid]) - 1, truth[rid][-1])
         _check_gather(rows.gather(ids, (previous, kept))[0], [truth[r] for r in ids], max_width)
+    for rid in released_late:
+        rows.release(rid)
+    again = len(built)
+    _check_gather(rows.gather(ids)[0], [truth[r] for r in ids], max_width)   # a steady step after
+    assert len(built) == again   # the kept batch stayed current
+    rows.release(ids[0])
+    with pytest.raises(KeyError):   # a released request has no row: the batch no longer stands
+        rows.gather(ids)
     if max_width is not None:
         assert len(built) <= 2, len(built)
 

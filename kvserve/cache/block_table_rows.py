@@ -105,6 +105,9 @@ class BlockTableRows:
             lengths[row] = 0
         self._free_rows.append(row)
         self._version += 1
+        batch = self._batch
+        if batch is not None and batch.version == self._version - 1 and request_id not in batch.request_ids:
+            self._batch = batch._replace(version=self._version)   # not one of its rows: it stands
 
     def table(self, request_id: str, group: int) -> list[int]:
         """One row as a list (its length's entries; [] for an unknown request).
@@ -142,12 +145,13 @@ class BlockTableRows:
         return self._batch_of(request_ids, rows)
 
     def _kept_batch(self, batch: _Batch, request_ids: list[str], kept: np.ndarray) -> _Batch:
-        """`batch`'s rows `kept`, the batch of `request_ids`. Padded, it keeps its
-        widths (still wide enough): a width that shrank when a long table left
-        would grow back as the others do, a new layout each time on CUDA."""
+        """`batch`'s rows `kept`, the batch of `request_ids`, current (those
+        requests held their rows throughout). Padded, it keeps its widths (still
+        wide enough): a width that shrank when a long table left would grow back
+        as the others do, a new layout each time on CUDA."""
         if self.max_width is None:
             return self._batch_of(request_ids, batch.rows[kept])
-        return _Batch(list(request_ids), batch.version, batch.rows[kept], batch.widths, request_ids)
+        return _Batch(list(request_ids), self._version, batch.rows[kept], batch.widths, request_ids)
 
     def _batch_of(self, request_ids: list[str], rows: np.ndarray) -> _Batch:
         """The batch of `request_ids` at `rows`, as wide as its longest table needs."""
