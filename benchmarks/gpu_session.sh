@@ -3,6 +3,11 @@
 # Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh [tests|bench|all|mixed] [extra bench flags]
 #   mixed: the attention and mixed-graph GPU tests, decode-only against mixed steps with their kernels
 #          (mixed_step_bench.py), and the kernels of a V4 batch-1 decode step (v4_model_bench.py --kernels).
+#   host: the GPU tests of the runner's host paths (pending tokens, tables, staging, graphs), then the
+#         host step's parts at 256 running, steady and with one finish a step (_lay_out's calls a step
+#         show the padded table widths at work).
+#   hostab BASE: host_step_ab.py against BASE's package carried as .base.tar (`git archive BASE kvserve
+#         > .base.tar`), steady and with one finish a step.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,6 +25,24 @@ bench() {  # name, flags...
 if [ "$what" = bench ] || [ "$what" = all ]; then
   bench throughput --num-prompts 256 --input-len 512 --output-len 128 "$@"
   bench latency --latency "$@"
+fi
+if [ "$what" = host ]; then
+  timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_mixed_graphs.py tests/test_prompt_logprobs.py \
+    tests/test_batch_tables.py tests/test_fused_ops.py tests/test_decode_work.py tests/test_warm_logits.py \
+    2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
+  for mode in "" "--finish-per-step 1"; do
+    echo "== host_step_bench.py --model dummy:qwen3-8b --device cuda --running 256 --steps 96 --parts --temperature 0 $mode"
+    timeout 120 python3 benchmarks/host_step_bench.py --model dummy:qwen3-8b --device cuda --running 256 --steps 96 \
+      --parts --temperature 0 $mode 2>&1 | grep -v "^INFO" | tail -24 | tee -a "$OUT/host_parts.txt"
+  done
+fi
+if [ "$what" = hostab ]; then
+  base=${1:?usage: gpu_session.sh hostab BASE (with .base.tar carried)}
+  for mode in "" "--finish-per-step 1"; do
+    echo "== host_step_ab.py --base $base --base-archive .base.tar --dtype float32 --num-kv-blocks 24000 --running 256 --steps 96 --temperature 0 $mode"
+    timeout 240 python3 benchmarks/host_step_ab.py --base "$base" --base-archive .base.tar --device cuda --dtype float32 \
+      --num-kv-blocks 24000 --running 256 --steps 96 --temperature 0 $mode 2>&1 | grep -A8 "^running=" | tee -a "$OUT/host_ab.txt"
+  done
 fi
 if [ "$what" = mixed ]; then
   timeout 240 python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_mixed_graphs.py tests/test_attention_ref.py \
