@@ -22,8 +22,8 @@ parts do not depend on them, and a busy 2-core machine then finishes the run.
 
 `--leave-per-step K` aborts K running requests (untimed) before every timed
 step: the running set then changes every step, as it does in a server where
-requests finish, and the steps take the general paths rather than a decode
-streak's.
+requests finish. The decode streak goes on without the rows that left (before
+2026-12-05 the steps took the general paths instead).
 
 `--finish-per-step K` gives the running requests staggered output limits once
 they decode, so that K of them reach theirs and finish in every timed step,
@@ -268,8 +268,9 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
 def leave(engine: LLMEngine, count: int, rng: random.Random) -> None:
     """`--leave-per-step`: abort `count` running requests, untimed, before a step.
     The running set changes, as it does in a server on nearly every step (a
-    request finishes), so the step takes the general paths, not a decode
-    streak's (`kvserve/scheduler.py`'s `DecodeStreak`, `kvserve/cache/decode_run.py`)."""
+    request finishes): the decode streak goes on without the rows that left
+    (`kvserve/scheduler.py`'s `DecodeStreak.next_step`), the cache's decode run
+    starts anew (`kvserve/cache/decode_run.py`)."""
     running = engine.scheduler.running
     for _ in range(min(count, len(running) - 1)):
         engine.abort_request(running[rng.randrange(len(running))].request_id)
@@ -394,7 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "compute does not swamp the launch's host time in launch_rest)")
     p.add_argument("--leave-per-step", type=int, default=0,
                    help="abort this many running requests before each timed step (untimed): the running "
-                        "set changes every step, as in a server, so no decode streak holds; a row's N "
+                        "set changes every step, as in a server (the decode streak goes on without them); a row's N "
                         "is then its count at the first timed step, N - steps x this at the last")
     p.add_argument("--finish-per-step", type=int, default=0,
                    help="stagger the running requests' output limits so that this many finish inside "
