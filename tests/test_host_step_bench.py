@@ -1,6 +1,7 @@
-"""benchmarks/host_step_bench.py runs end to end on CPU, with requests leaving
-between steps (`--leave-per-step`) and greedy sampling: its table comes out,
-and the leaves happened (the running set shrank by one a step)."""
+"""benchmarks/host_step_bench.py runs end to end on CPU with greedy sampling,
+with requests leaving between steps (`--leave-per-step`: the running set shrank
+by one a step) or finishing inside them (`--finish-per-step`): its table comes
+out, and the leaves and finishes happened."""
 from __future__ import annotations
 
 import sys
