@@ -63,6 +63,36 @@ class ReuseAwareQueue:
         if queue is self._hot:
             self._demote_overflow()
 
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """`append` of each block in order (a freed request's blocks): runs of
+        blocks bound for the same list linked at once (`FreeBlockQueue.extend`);
+        a hot block through `append`, which may demote."""
+        run: list[KVBlock] = []
+        queue = None
+        for block in blocks:
+            if block.block_hash is None:
+                target = self._uncached
+            elif block.num_children > 0:
+                target = self._inner
+            elif block.num_hits > 0:
+                self._link(queue, run)
+                run, queue = [], None
+                self.append(block)
+                continue
+            else:
+                target = self._cold
+            if target is not queue:
+                self._link(queue, run)
+                run, queue = [], target
+            run.append(block)
+            block.free_list = target
+        self._link(queue, run)
+
+    def _link(self, queue: FreeBlockQueue | None, run: list[KVBlock]) -> None:
+        if run:
+            queue.extend(run)
+            self._len += len(run)
+
     def remove(self, block: KVBlock) -> None:
         queue = block.free_list
         if not isinstance(queue, FreeBlockQueue):
