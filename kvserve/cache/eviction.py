@@ -50,13 +50,7 @@ class ReuseAwareQueue:
         return self._hot if block.num_hits > 0 else self._cold
 
     def append(self, block: KVBlock) -> None:
-        # `_target` inlined: once per block a finished request frees.
-        if block.block_hash is None:
-            queue = self._uncached
-        elif block.num_children > 0:
-            queue = self._inner
-        else:
-            queue = self._hot if block.num_hits > 0 else self._cold
+        queue = self._target(block)
         queue.append(block)
         block.free_list = queue
         self._len += 1
@@ -66,7 +60,8 @@ class ReuseAwareQueue:
     def extend(self, blocks: list[KVBlock]) -> None:
         """`append` of each block in order (a freed request's blocks): runs of
         blocks bound for the same list linked at once (`FreeBlockQueue.extend`);
-        a hot block through `append`, which may demote."""
+        a hot block through `append`, which may demote. `_target` inlined: once
+        per block a finished request frees."""
         run: list[KVBlock] = []
         queue = None
         for block in blocks:
