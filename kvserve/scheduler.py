@@ -293,7 +293,7 @@ class Scheduler:
         self._prefilled_prefixes: set[bytes] | None = None
         self._streak: DecodeStreak | None = None   # the last step's, while it was steady decode
         self._held_streak: StreakStep | None = None   # this step's rows, when a streak gave them
-        self._lefts: np.ndarray | list[int] = []   # per row, the tokens it could still be given (`_running_rows`)
+        self._lefts: list[int] = []   # per row, the tokens it could still be given (`_running_rows`)
         self._num_idle = 0   # running requests without a row, their last token in flight (`_running_rows`)
         self._gone: list[Request] = []   # requests finished since the last schedule (`DecodeStreak.next_step`)
 

@@ -343,7 +343,7 @@ def _kept_rows(out: SchedulerOutput, previous: "InFlightStep") -> np.ndarray | N
     """Each row's row in `previous`, when the decode streak gave `out` the rows of
     `previous` that stay (`SchedulerOutput.previous_rows`); else None."""
     source = out.previous_rows
-    if source is None or out.request_ids is None or source[0] is not previous.request_ids:
+    if source is None or source[0] is not previous.request_ids:   # set only with out.request_ids
         return None
     return source[1]
 
