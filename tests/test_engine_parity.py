@@ -65,19 +65,18 @@ def test_staggered_finishes_keep_hf_parity(checkpoints, kind, monkeypatch):
     """Requests that finish one after another in the middle of steady decode
     (each its own max_tokens): the decode streak goes on without them, each
     remaining row's pending token taken from its row of the step in flight
-    (`SchedulerOutput.previous_rows`). Each output is the first max_tokens of
+    (`SchedulerOutput.previous_rows`, an index uploaded with the step). Each output is the first max_tokens of
     HF's greedy continuation, and that path ran."""
     from kvserve.runner import model_runner
     prompts, refs = checkpoints
     path, expected = refs[kind]
     kept_steps = []
-    kept_rows = model_runner._kept_rows
+    fill_pending = model_runner.ModelRunner._fill_pending
 
-    def counted(out, previous):
-        kept = kept_rows(out, previous)
-        kept_steps.append(kept is not None)
-        return kept
-    monkeypatch.setattr(model_runner, "_kept_rows", counted)
+    def counted(self, inputs, *args):   # the kept rows' index reached the step's inputs
+        kept_steps.append(inputs.kept_rows is not None)
+        return fill_pending(self, inputs, *args)
+    monkeypatch.setattr(model_runner.ModelRunner, "_fill_pending", counted)
     limits = [24, 9, 21, 12, 18, 15]   # rows leave from the middle first: a prefix of the rows would not do
     llm = LLM(str(path), dtype="float32", device="cpu")
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in limits]

@@ -32,6 +32,9 @@ class ModelInputs:
     # A decode step's shared-prefix groups and its host block table (KVSERVE_CASCADE=1; the runner's
     # `_plan_cascade`), or None.
     cascade: tuple | None = None
+    # Each row's row in the step in flight, on the device, when the step gathers its pending
+    # tokens by them (`prepare_inputs`' `kept_rows`), or None.
+    kept_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -140,17 +143,20 @@ def _decode_tokens(scheduled: list[ScheduledRequest]) -> list[int]:
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_tables: list[torch.Tensor],
-                   block_size: int, device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
+                   block_size: int, device: torch.device, decode: DecodeBatch | None = None,
+                   kept_rows: np.ndarray | None = None) -> ModelInputs:
     host = build_host_batch(scheduled, block_tables, decode)
-    return to_model_inputs(host, scheduled, block_size, device, decode)
+    return to_model_inputs(host, scheduled, block_size, device, decode, kept_rows)
 
 
 def to_model_inputs(host: HostBatch, scheduled: list[ScheduledRequest], block_size: int,
-                    device: torch.device, decode: DecodeBatch | None = None) -> ModelInputs:
-    """`decode` (`SchedulerOutput.decode`) says every row samples."""
+                    device: torch.device, decode: DecodeBatch | None = None,
+                    kept_rows: np.ndarray | None = None) -> ModelInputs:
+    """`decode` (`SchedulerOutput.decode`) says every row samples; `kept_rows` (a
+    decode step's) travels with the step's upload, as `ModelInputs.kept_rows`."""
     if decode is not None:  # each row's one token is its logits row
         return inputs_for_rows(host, range(len(scheduled)), list(scheduled), block_size, device,
-                               _row_ranges(len(scheduled)).rows)
+                               _row_ranges(len(scheduled)).rows, kept_rows)
     rows = _completing_rows(scheduled, host.seq_lens_list)
     return inputs_for_rows(host, rows, [scheduled[i] for i in rows], block_size, device)
 
@@ -164,27 +170,30 @@ def _completing_rows(scheduled: list[ScheduledRequest], seq_lens: list[int]) -> 
 
 def inputs_for_rows(host: HostBatch, rows: Sequence[int], sampling_rows: list[ScheduledRequest],
                     block_size: int, device: torch.device,
-                    logits_indices: torch.Tensor | None = None) -> ModelInputs:
+                    logits_indices: torch.Tensor | None = None,
+                    kept_rows: np.ndarray | None = None) -> ModelInputs:
     """Device inputs whose logits rows are those of sequences `rows` (a
     tensor-parallel worker, which samples nothing, passes none), at
     `logits_indices` when the caller knows them. One transfer in all
-    (`upload_packed`); slot mappings are computed here."""
+    (`upload_packed`), `kept_rows` with it; slot mappings are computed here."""
     if logits_indices is None:
         last = host.query_start_loc[1:].long() - 1
         logits_indices = last if len(rows) == len(host.query_lens) else last[rows]
     slots = [slot_mapping(t, host.seq_idx, host.positions, block_size) for t in host.block_tables]
     groups = len(slots)
+    extra = [] if kept_rows is None else [torch.from_numpy(kept_rows)]
     input_ids, positions, logits_indices, query_start_loc, seq_lens, *rest = upload_packed(
         [host.input_ids, host.positions, logits_indices, host.query_start_loc, host.seq_lens, *slots,
-         *host.block_tables], device)
-    slots, tables = rest[:groups], rest[groups:]
+         *host.block_tables, *extra], device)
+    slots, tables, kept = rest[:groups], rest[groups:2 * groups], rest[2 * groups:]
     meta = AttentionMetadata(
         num_seqs=len(host.seq_lens_list), num_tokens=len(host.input_ids), block_size=block_size,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables, slot_mappings=slots,
         max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens_list),
         query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens_list)
     return ModelInputs(input_ids=input_ids, positions=positions, meta=meta,
-                       logits_indices=logits_indices, sampling_rows=sampling_rows, host=host)
+                       logits_indices=logits_indices, sampling_rows=sampling_rows, host=host,
+                       kept_rows=kept[0] if kept else None)
 
 
 def slot_mapping(table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor,

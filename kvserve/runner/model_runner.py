@@ -188,10 +188,11 @@ class ModelRunner:
         if self.kv_transfer is not None:
             self.kv_transfer.wait_prefetched()  # the last step's load-ahead admissions run now
         self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
-        inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device, out.decode)
+        same_rows, kept = _decode_sources(out, previous)
+        inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device, out.decode, kept)
         if self.cascade and inputs.meta.is_decode_only:
             self._plan_cascade(inputs, out, previous)
-        self._fill_pending(inputs, out, previous)
+        self._fill_pending(inputs, out, previous, same_rows)
         if self.step_channel is not None:
             self.step_channel.publish(inputs)
         return inputs
@@ -241,16 +242,17 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.padded_size(inputs.meta.num_seqs):
             inputs.meta.cascade = cascade.build_plan(table, lens, self.layout.block_size, self.device, groups)
 
-    def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None") -> None:
-        if out.decode is not None and out.decode.on_device and previous is not None and previous.sample is not None:
-            if _same_rows(out, previous):
-                inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: every token pending, row i is row i
-                return
-            kept = _kept_rows(out, previous)
-            if kept is not None:   # the streak's rows but those that left: row i is row kept[i]
-                index = upload(torch.from_numpy(kept), self.device)
-                inputs.input_ids.copy_(previous.sample.token_ids.index_select(0, index))
-                return
+    def _fill_pending(self, inputs: ModelInputs, out: SchedulerOutput, previous: "InFlightStep | None",
+                      same_rows: bool = False) -> None:
+        """Tokens the step takes from `previous`'s samples, still on the device: row for row
+        (`same_rows`), by the kept rows' index uploaded with the step (`_decode_sources`), or
+        found one by one."""
+        if same_rows:
+            inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: every token pending, row i is row i
+            return
+        if inputs.kept_rows is not None:   # the streak's rows but those that left: row i is row kept[i]
+            inputs.input_ids.copy_(previous.sample.token_ids.index_select(0, inputs.kept_rows))
+            return
         flat = np.flatnonzero(inputs.host.input_ids.numpy() == PENDING_TOKEN)
         if not len(flat):
             return
@@ -337,6 +339,18 @@ def _same_rows(out: SchedulerOutput, previous: "InFlightStep") -> bool:
     if ids is not None and ids is previous.request_ids:
         return True
     return _same_requests(out.scheduled, previous.rows)
+
+
+def _decode_sources(out: SchedulerOutput, previous: "InFlightStep | None") -> tuple[bool, np.ndarray | None]:
+    """How a decode step whose tokens are all still on the device takes them from
+    `previous`: (True, None) row for row; (False, index) by each row's row there, an
+    index that travels with the step's upload (`prepare_inputs`: a separate upload cost
+    the H200's host a pinned copy a step); (False, None) neither applies."""
+    if out.decode is None or not out.decode.on_device or previous is None or previous.sample is None:
+        return False, None
+    if _same_rows(out, previous):
+        return True, None
+    return False, _kept_rows(out, previous)
 
 
 def _kept_rows(out: SchedulerOutput, previous: "InFlightStep") -> np.ndarray | None:
