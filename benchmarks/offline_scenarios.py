@@ -104,7 +104,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     warm = scenario_requests("qa", 1, a.model_dir)
     run(warm)
     results = {}
-    for seed, name in itertools.product(a.seeds, a.scenarios):
+    for seed, name in [*itertools.product(a.seeds, a.scenarios), *a.also]:
         requests = scenario_requests(name, DEFAULT_COUNTS[name] if a.num_prompts is None else a.num_prompts,
                                      a.model_dir, seed)
         key = name if seed == 0 else f"{name}@{seed}"
@@ -128,7 +128,15 @@ def compare(paths: list[str]) -> None:
             print(f"| {name} | token counts differ: {r1} vs {r2} | | | |")
             continue
         print(f"| {name} | {r1['requests']} | {r1['seconds']:.2f} | {r2['seconds']:.2f} | "
-              f"{r1['seconds'] / r2['seconds']:.2f}x |")
+              f"{r1['seconds'] / r2['seconds']:.3f}x |")
+
+
+def seeded_scenario(text: str) -> tuple[int, str]:
+    """`--also`'s NAME@SEED as (seed, name)."""
+    name, _, seed = text.partition("@")
+    if name not in SCENARIOS or not seed.isdigit():
+        raise argparse.ArgumentTypeError(f"expected NAME@SEED with NAME one of {list(SCENARIOS)}, got {text!r}")
+    return int(seed), name
 
 
 def main() -> None:
@@ -140,6 +148,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0],
                    help="workload seeds, each scenario once per seed in this order (its own prompts: a "
                         "repeat that hits no prefix cached by the one before); results as NAME@SEED past 0")
+    p.add_argument("--also", nargs="+", type=seeded_scenario, default=[], metavar="NAME@SEED",
+                   help="more runs after those above, one a scenario and seed (e.g. ide-completion@1)")
     p.add_argument("--turn-waves", action="store_true", help="code review: each turn after the one before")
     p.add_argument("--save-json", default=None)
     p.add_argument("--step-trace", default=None, metavar="FILE",

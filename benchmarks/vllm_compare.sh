@@ -29,7 +29,9 @@
 #                                                     offline seed scenarios
 #   stage 7  carry [".dummy-qwen3-8b"]:               kvserve's offline seed scenarios alone (after stage 3);
 #                                                     OFFLINE_ARGS adds offline_scenarios.py flags to both engines'
-#                                                     runs (e.g. "--scenarios ide-completion --seeds 0 1 2")
+#                                                     runs (e.g. "--scenarios ide-completion --seeds 0 1 2", or
+#                                                     "--also ide-completion@1 ide-completion@2"), OFFLINE_SECONDS
+#                                                     its time limit (stage 3: 150, 6: 380, 7: 200)
 #   stage 8  (no carry needed):                       the Gluon probes on the GPU (benchmarks/gluon_*_probe.py:
 #                                                     each variant checked against float32, then timed)
 #   stage 9  (after stages 4 and 5 with PROFILE_SECONDS=N): the two servers' /start_profile windows
@@ -129,7 +131,7 @@ case $stage in
       PYTHONPATH=$PWD:$PWD/.vsite timeout 150 python3 benchmarks/burst_prefill_profile.py --engine kvserve \
         --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^kvserve|^  |^device|Error" | tail -40 | tee "$OUT/burst_kvserve.txt"
     fi
-    [ "${OFFLINE:-0}" = 1 ] && offline kvserve 150 || true ;;
+    [ "${OFFLINE:-0}" = 1 ] && offline kvserve ${OFFLINE_SECONDS:-150} || true ;;
   4)
     export PATH=$PWD/.vsite/bin:$PATH
     # a fresh machine (the last one went back while idle) has no vLLM site: kvserve's web packages
@@ -149,9 +151,9 @@ case $stage in
     [ "${BURST:-1}" = 1 ] && PYTHONPATH=$PWD:$PWD/.vsite timeout 400 python3 benchmarks/burst_prefill_profile.py \
       --engine vllm --model-dir "$PWD/.dummy-qwen3-8b" 2>&1 | grep -E "^vllm|^  |^device|Error" | tail -40 \
       | tee "$OUT/burst_vllm.txt"
-    [ "${OFFLINE:-0}" = 1 ] && offline vllm 380 || true ;;
+    [ "${OFFLINE:-0}" = 1 ] && offline vllm ${OFFLINE_SECONDS:-380} || true ;;
   7)
-    offline kvserve 200 ;;
+    offline kvserve ${OFFLINE_SECONDS:-200} ;;
   8)
     for probe in benchmarks/gluon_*_probe.py; do   # a variant that hangs (an mbarrier ring) is killed after 60 s
       PYTHONPATH=$PWD:$PWD/benchmarks timeout 400 python3 "$probe" --timeout 60 2>&1 | grep -v -i warn | tail -40 \

@@ -2,8 +2,11 @@
 served core's step trace has them (kvserve/engine/step_trace.py), one line a step."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine import step_trace
@@ -32,3 +35,10 @@ def test_each_step_is_a_line_with_its_rows_and_prompt_tokens(tmp_path):
     assert len(steps) == len(calls) > 0
     assert sum(s["prompt_tokens"] for s in steps) == 50
     assert sum(s["rows"] for s in steps) == 10
+
+
+def test_also_takes_name_at_seed_and_names_what_it_wants():
+    assert offline.seeded_scenario("ide-completion@2") == (2, "ide-completion")
+    for bad in ("ide@1", "ide-completion", "ide-completion@x", "qa@-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME@SEED"):
+            offline.seeded_scenario(bad)
