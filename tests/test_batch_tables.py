@@ -293,20 +293,29 @@ def test_host_batch_matches_a_per_token_walk():
         assert host.seq_lens.tolist() == [s.start_pos + s.num_new_tokens for s in scheduled]
 
 
-def test_a_wider_table_renews_only_its_own_views():
-    """A batch's longest table grows a block: in each slot only the table's
-    views are new; the parts before it keep theirs, and all hold the new values."""
+def test_a_new_row_count_slices_the_layout_of_its_capacity():
+    """Decode-shaped uploads whose row count changes every step (a request finishing
+    each): counts of one power-of-two capacity share each slot's layout, every view
+    the first rows of the same memory, holding the new values; a count past the
+    capacity, or a wider table, gets a layout of its own; every view is 16-byte aligned."""
     ring, rng = cpu_ring(), torch.Generator().manual_seed(4)
-    before = []
-    for width in (40, 41):
-        for _ in range(StagingRing.SLOTS):
-            parts = [torch.randint(0, 99, shape, generator=rng, dtype=dtype)
-                     for shape, dtype in (((17,), torch.int64), ((5,), torch.int32), ((3, width), torch.int32))]
-            views = ring.upload(parts)
-            assert all(map(torch.equal, views, parts))
-            before.append(views)
-    for old, new in zip(before[:StagingRing.SLOTS], before[StagingRing.SLOTS:]):
-        assert old[0] is new[0] and old[1] is new[1] and old[2] is not new[2]
+
+    def upload(rows: int, width: int = 40) -> list[torch.Tensor]:
+        parts = [torch.randint(0, 99, shape, generator=rng, dtype=dtype) for shape, dtype in
+                 (((rows,), torch.int64), ((rows + 1,), torch.int32), ((rows, width), torch.int32))]
+        views = ring.upload(parts)
+        assert all(map(torch.equal, views, parts)) and [v.shape for v in views] == [p.shape for p in parts]
+        return views
+    first = [upload(255 - i) for i in range(StagingRing.SLOTS)]          # rows 255..248, qsl 256..249
+    again = [upload(247 - i) for i in range(StagingRing.SLOTS)]
+    for old, new in zip(first, again):   # slot by slot: capacity 256 throughout
+        assert [v.data_ptr() for v in old] == [v.data_ptr() for v in new]
+    past = [upload(256) for _ in range(StagingRing.SLOTS)]   # qsl 257: capacity 512, the table further on
+    wider = [upload(247, 56) for _ in range(StagingRing.SLOTS)]
+    for old, new, other in zip(again, past, wider):
+        assert old[2].data_ptr() - old[0].data_ptr() < new[2].data_ptr() - new[0].data_ptr()
+        assert other[2].shape == (247, 56)
+    assert all(v.data_ptr() % 16 == 0 for views in first + again + past + wider for v in views)
 
 
 def test_uploads_inside_and_outside_inference_mode_share_a_ring():

@@ -6,14 +6,15 @@ multiple of ALIGN bytes, copied to the device with one transfer, and handed
 to kernels as views of the device copy. Both buffers and the views belong to
 a slot of a `StagingRing` and are reused: in steady decode every step has the
 same layout (the parts' dtypes and shapes), so a step builds no tensor at
-all; a step whose batch changed cuts its views from whole-buffer views of
-each dtype. On the H200's host, building the views each step cost ~90 us at
+all; a step whose batch changed slices its views from the slot's layout
+for that size rounded up, made once. On the H200's host, building the views each step cost ~90 us at
 256 running requests, and `torch.cuda.current_stream` ~30 us a call
 (`current_stream` here looks it up by its raw handle instead).
 """
 from __future__ import annotations
 
 import itertools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -60,7 +61,7 @@ class StagingRing:
     queued on the same stream, behind every kernel that read it."""
 
     SLOTS = 8
-    MAX_VIEWS = 256   # per slot, then forgotten
+    MAX_LAYOUTS = 64   # capacity layouts a slot keeps, then forgotten
 
     def __init__(self, device: torch.device, pin_memory: bool = True, event=None) -> None:
         self.device = device
@@ -69,7 +70,7 @@ class StagingRing:
         self._host: list[torch.Tensor | None] = [None] * self.SLOTS
         self._device: list[torch.Tensor | None] = [None] * self.SLOTS
         self._layouts: list[Layout | None] = [None] * self.SLOTS
-        self._views: list[dict] = [{} for _ in range(self.SLOTS)]
+        self._full: list[dict] = [{} for _ in range(self.SLOTS)]   # capacity layouts (`_capacity`)
         self._typed_views: list[dict] = [{} for _ in range(self.SLOTS)]
         self._events: list = [None] * self.SLOTS
         self._next = 0
@@ -106,42 +107,51 @@ class StagingRing:
         """(host, device) buffers of `slot`, whole."""
         return self._host[slot], self._device[slot]
 
-    @torch.inference_mode(False)
     def _lay_out(self, slot: int, key: tuple, parts: list[torch.Tensor]) -> Layout:
-        """`slot`'s layout for `parts`, from the slot's views by (start, dtype,
-        shape): when one table grows a block wider, only its views are new.
-        Buffers and views are made as normal tensors, even under inference
-        mode (the engine's steps): an inference tensor's later in-place
-        write (the next upload's copy) outside it would raise."""
-        starts = _starts(parts)
-        self._grow(slot, starts[-1])
-        views = self._views[slot]
-        if len(views) > self.MAX_VIEWS:   # mixed steps: a new token count each step
-            views.clear()
-        pairs = [self._view_pair(slot, start, t) for t, start in zip(parts, starts)]
-        span = views.get(starts[-1])   # the bytes one upload copies, keyed by their count
-        if span is None:
-            span = views[starts[-1]] = (self._host[slot][:starts[-1]], self._device[slot][:starts[-1]])
-        return Layout(key, [h for h, _ in pairs], *span, [d for _, d in pairs])
+        """`slot`'s layout for `parts`: each part's first rows in the slot's
+        capacity layout for them (`_capacity`), one slice a part. A server's
+        running set changes size on most steps, and each new size needs new
+        views: cut and shaped from the whole buffers, a decode step's cost ~62 us
+        on this project's CPU (175 us on the H200's host, with one request
+        finishing a step), against ~28 us for the slices."""
+        full = self._capacity(slot, parts)
+        rows = [len(t) for t in parts]
+        return Layout(key, [h[:n] for h, n in zip(full.host_views, rows)], full.host_bytes, full.device_bytes,
+                      [d[:n] for d, n in zip(full.device_views, rows)])
 
-    def _view_pair(self, slot: int, start: int, like: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-        """(host numpy view, device view) of `like`'s dtype and shape at byte
-        `start` of `slot`'s buffers: the slot's own, made on first use. Cut from
-        the buffers' whole views of that dtype: a numpy slice and one or two
-        tensor ops. A 256-row decode layout built from nothing then takes ~46 us
-        on this project's CPU, against ~124 us with three tensor ops and a numpy
-        view a part (measured in one run, the machine busy)."""
-        key = (start, like.dtype, like.shape)
-        pair = self._views[slot].get(key)
-        if pair is None:
-            host_all, device_all = self._typed(slot, like.dtype)
-            first = start // like.element_size()
-            last = first + like.numel()
-            device_view = device_all[first:last]
-            if like.dim() != 1:
-                device_view = device_view.view(like.shape)
-            pair = self._views[slot][key] = (host_all[first:last].reshape(like.shape), device_view)
-        return pair
+    def _capacity(self, slot: int, parts: list[torch.Tensor]) -> Layout:
+        """`slot`'s layout of `parts`' dtypes and trailing shapes with their rows
+        rounded up to a power of two (at least 16), made once: parts of 129 to 256
+        rows share one. The copy takes it whole (at most twice the bytes: a few
+        KB a decode step)."""
+        key = tuple([(t.dtype, max(16, 1 << (len(t) - 1).bit_length()), t.shape[1:]) for t in parts])
+        layout = self._full[slot].get(key)
+        if layout is None:
+            layout = self._build(slot, key)
+            if len(self._full[slot]) >= self.MAX_LAYOUTS:   # mixed steps: many token counts
+                self._full[slot].clear()
+            self._full[slot][key] = layout
+        return layout
+
+    @torch.inference_mode(False)
+    def _build(self, slot: int, key: tuple) -> Layout:
+        """Views of `slot`'s buffers for parts of (dtype, rows, trailing shape)
+        `key`, each at a multiple of ALIGN bytes, cut from the buffers' whole
+        views of each dtype (grown first if too small). Buffers and views are
+        made as normal tensors, even under inference mode (the engine's steps):
+        an inference tensor's later in-place write (the next upload's copy)
+        outside it would raise."""
+        shapes = [(dtype, (rows, *rest)) for dtype, rows, rest in key]
+        starts = _starts([dtype.itemsize * math.prod(shape) for dtype, shape in shapes])
+        self._grow(slot, starts[-1])
+        host_views, device_views = [], []
+        for (dtype, shape), start in zip(shapes, starts):
+            host_all, device_all = self._typed(slot, dtype)
+            first = start // dtype.itemsize
+            last = first + math.prod(shape)
+            host_views.append(host_all[first:last].reshape(shape))
+            device_views.append(device_all[first:last].view(shape))
+        return Layout(key, host_views, self._host[slot][:starts[-1]], self._device[slot][:starts[-1]], device_views)
 
     def _typed(self, slot: int, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
         """`slot`'s whole buffers viewed as `dtype` (host as numpy), made once per buffer."""
@@ -153,19 +163,19 @@ class StagingRing:
 
     def _grow(self, slot: int, nbytes: int) -> None:
         """Replace `slot`'s buffers by ones of max(nbytes, twice the size, 4 KB),
-        forgetting their views, when they hold fewer than `nbytes` bytes (a
+        forgetting their layouts and views, when they hold fewer than `nbytes` bytes (a
         multiple of ALIGN: every dtype views them whole)."""
         host = self._host[slot]
         if host is None or host.numel() < nbytes:
             size = max(nbytes, 2 * (0 if host is None else host.numel()), 4096)
             self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
             self._device[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._views[slot], self._typed_views[slot] = {}, {}
+            self._full[slot], self._typed_views[slot] = {}, {}
 
 
-def _starts(parts: list[torch.Tensor]) -> list[int]:
-    """Each part's byte offset in the packed buffer, then its length."""
-    return list(itertools.accumulate((-(-t.nbytes // ALIGN) * ALIGN for t in parts), initial=0))
+def _starts(sizes: list[int]) -> list[int]:
+    """Each part's byte offset in the packed buffer (parts of `sizes` bytes), then its length."""
+    return list(itertools.accumulate((-(-n // ALIGN) * ALIGN for n in sizes), initial=0))
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}   # raw CUDA stream handle -> its Stream
