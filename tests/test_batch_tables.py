@@ -296,7 +296,8 @@ def test_host_batch_matches_a_per_token_walk():
 def test_a_new_row_count_slices_the_layout_of_its_capacity():
     """Decode-shaped uploads whose row count changes every step (a request finishing
     each): counts of one power-of-two capacity share each slot's layout, every view
-    the first rows of the same memory, holding the new values; a count past the
+    the first rows of the same memory, holding the new values; a count the slot met
+    before takes the same views; a count past the
     capacity, or a wider table, gets a layout of its own; every view is 16-byte aligned."""
     ring, rng = cpu_ring(), torch.Generator().manual_seed(4)
 
@@ -310,6 +311,8 @@ def test_a_new_row_count_slices_the_layout_of_its_capacity():
     again = [upload(247 - i) for i in range(StagingRing.SLOTS)]
     for old, new in zip(first, again):   # slot by slot: capacity 256 throughout
         assert [v.data_ptr() for v in old] == [v.data_ptr() for v in new]
+    back = [upload(255 - i) for i in range(StagingRing.SLOTS)]   # counts each slot met: its views again
+    assert all(a is b for old, new in zip(first, back) for a, b in zip(old, new))
     past = [upload(256) for _ in range(StagingRing.SLOTS)]   # qsl 257: capacity 512, the table further on
     wider = [upload(247, 56) for _ in range(StagingRing.SLOTS)]
     for old, new, other in zip(again, past, wider):

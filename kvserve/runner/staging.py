@@ -61,7 +61,7 @@ class StagingRing:
     queued on the same stream, behind every kernel that read it."""
 
     SLOTS = 8
-    MAX_LAYOUTS = 64   # capacity layouts a slot keeps, then forgotten
+    MAX_LAYOUTS = 64   # layouts of each kind a slot keeps, then forgotten
 
     def __init__(self, device: torch.device, pin_memory: bool = True, event=None) -> None:
         self.device = device
@@ -71,6 +71,7 @@ class StagingRing:
         self._device: list[torch.Tensor | None] = [None] * self.SLOTS
         self._layouts: list[Layout | None] = [None] * self.SLOTS
         self._full: list[dict] = [{} for _ in range(self.SLOTS)]   # capacity layouts (`_capacity`)
+        self._seen: list[dict] = [{} for _ in range(self.SLOTS)]   # layouts by their parts' shapes
         self._typed_views: list[dict] = [{} for _ in range(self.SLOTS)]
         self._events: list = [None] * self.SLOTS
         self._next = 0
@@ -108,16 +109,21 @@ class StagingRing:
         return self._host[slot], self._device[slot]
 
     def _lay_out(self, slot: int, key: tuple, parts: list[torch.Tensor]) -> Layout:
-        """`slot`'s layout for `parts`: each part's first rows in the slot's
-        capacity layout for them (`_capacity`), one slice a part. A server's
-        running set changes size on most steps, and each new size needs new
-        views: cut and shaped from the whole buffers, a decode step's cost ~62 us
-        on this project's CPU (175 us on the H200's host, with one request
-        finishing a step), against ~28 us for the slices."""
-        full = self._capacity(slot, parts)
-        rows = [len(t) for t in parts]
-        return Layout(key, [h[:n] for h, n in zip(full.host_views, rows)], full.host_bytes, full.device_bytes,
-                      [d[:n] for d, n in zip(full.device_views, rows)])
+        """`slot`'s layout for `parts`: the one it made for their shapes before,
+        else each part's first rows in the slot's capacity layout for them
+        (`_capacity`), one slice a part. A server's running set changes size on
+        most steps, and each new size needs new views: cut and shaped from the
+        whole buffers, a decode step's cost ~62 us on this project's CPU (175 us
+        on the H200's host, with one request finishing a step), against ~28 us
+        for the slices and a dict lookup for a size met before."""
+        layout = self._seen[slot].get(key)   # a row count the slot met before: a server's
+        if layout is None:                     # running set moves within a range
+            full = self._capacity(slot, parts)
+            rows = [len(t) for t in parts]
+            layout = Layout(key, [h[:n] for h, n in zip(full.host_views, rows)], full.host_bytes,
+                            full.device_bytes, [d[:n] for d, n in zip(full.device_views, rows)])
+            _remember(self._seen[slot], key, layout, self.MAX_LAYOUTS)
+        return layout
 
     def _capacity(self, slot: int, parts: list[torch.Tensor]) -> Layout:
         """`slot`'s layout of `parts`' dtypes and trailing shapes with their rows
@@ -128,9 +134,7 @@ class StagingRing:
         layout = self._full[slot].get(key)
         if layout is None:
             layout = self._build(slot, key)
-            if len(self._full[slot]) >= self.MAX_LAYOUTS:   # mixed steps: many token counts
-                self._full[slot].clear()
-            self._full[slot][key] = layout
+            _remember(self._full[slot], key, layout, self.MAX_LAYOUTS)
         return layout
 
     @torch.inference_mode(False)
@@ -170,7 +174,15 @@ class StagingRing:
             size = max(nbytes, 2 * (0 if host is None else host.numel()), 4096)
             self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
             self._device[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._full[slot], self._typed_views[slot] = {}, {}
+            self._full[slot], self._seen[slot], self._typed_views[slot] = {}, {}, {}
+
+
+def _remember(layouts: dict, key: tuple, layout: Layout, limit: int) -> None:
+    """`layouts[key] = layout`, forgetting them all first at `limit` (mixed steps:
+    a new token count nearly every step)."""
+    if len(layouts) >= limit:
+        layouts.clear()
+    layouts[key] = layout
 
 
 def _starts(sizes: list[int]) -> list[int]:
