@@ -37,6 +37,7 @@ class NoEvent:
 
 
 def staging_module(path: str | None):
+    """This tree's `kvserve.runner.staging`, or the module in file `path`."""
     if path is None:
         from kvserve.runner import staging
         return staging
@@ -48,6 +49,7 @@ def staging_module(path: str | None):
 
 
 def decode_parts(rows: int, width: int = 80) -> list[torch.Tensor]:
+    """A one-group decode step's upload of `rows` rows (the module doc's eight parts)."""
     i64, i32 = torch.int64, torch.int32
     return [torch.zeros(rows, dtype=i64), torch.zeros(rows, dtype=i64), torch.zeros(rows, dtype=i64),
             torch.zeros(rows + 1, dtype=i32), torch.zeros(rows, dtype=i32), torch.zeros(rows, dtype=i64),
@@ -68,11 +70,13 @@ def median_upload_us(staging, counts: list[int]) -> float:
 
 
 def patterns() -> dict[str, list[int]]:
+    """Each pattern's row count a step (the module doc's three)."""
     rng, rows, walk = random.Random(0), 200, []
     for _ in range(2000):
         rows = max(150, min(256, rows + rng.choice((-1, 0, 1))))
         walk.append(rows)
-    return {"steady": [256] * 2000, "random walk 150-256": walk, "falling, none twice": list(range(256, 56, -1))}
+    return {"steady": [256] * 2000, "random walk 150-256": walk,
+            "falling, none twice": list(range(256, 56, -1))}
 
 
 def main() -> None:

@@ -189,7 +189,8 @@ class ModelRunner:
             self.kv_transfer.wait_prefetched()  # the last step's load-ahead admissions run now
         self.copy_blocks(out.kv_prefetch, prefetch=True)  # overlaps this forward
         same_rows, kept = _decode_sources(out, previous)
-        inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device, out.decode, kept)
+        inputs = prepare_inputs(out.scheduled, block_tables, self.layout.block_size, self.device, out.decode,
+                                kept)
         if self.cascade and inputs.meta.is_decode_only:
             self._plan_cascade(inputs, out, previous)
         self._fill_pending(inputs, out, previous, same_rows)

@@ -6,10 +6,11 @@ multiple of ALIGN bytes, copied to the device with one transfer, and handed
 to kernels as views of the device copy. Both buffers and the views belong to
 a slot of a `StagingRing` and are reused: in steady decode every step has the
 same layout (the parts' dtypes and shapes), so a step builds no tensor at
-all; a step whose batch changed slices its views from the slot's layout
-for that size rounded up, made once. On the H200's host, building the views each step cost ~90 us at
-256 running requests, and `torch.cuda.current_stream` ~30 us a call
-(`current_stream` here looks it up by its raw handle instead).
+all; a step whose batch changed takes the slot's layout for those shapes if
+it made one before, else slices its views from the slot's layout for that
+size rounded up, made once. On the H200's host, building the views each step
+cost ~90 us at 256 running requests, and `torch.cuda.current_stream` ~30 us a
+call (`current_stream` here looks it up by its raw handle instead).
 """
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ class StagingRing:
             last = first + math.prod(shape)
             host_views.append(host_all[first:last].reshape(shape))
             device_views.append(device_all[first:last].view(shape))
-        return Layout(key, host_views, self._host[slot][:starts[-1]], self._device[slot][:starts[-1]], device_views)
+        end = starts[-1]
+        return Layout(key, host_views, self._host[slot][:end], self._device[slot][:end], device_views)
 
     def _typed(self, slot: int, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
         """`slot`'s whole buffers viewed as `dtype` (host as numpy), made once per buffer."""
