@@ -162,3 +162,28 @@ def test_an_engine_s_decode_rows_equal_the_row_by_row_allocation():
     assert engine.scheduler.num_preemptions > 0
     assert all(r.is_finished for r in requests)
     assert kv.num_free_blocks == kv.num_usable_blocks   # nothing leaked
+
+
+def test_a_roomless_row_inside_its_block_stops_the_openings_and_takes_the_general_path():
+    """A decode run's row without a room whose end is no block boundary (its room
+    forgotten here: the direct path must refuse it, `_opens_one_block`): the block
+    openings stop at it, the step goes on row by row from there, and each row
+    holds exactly the blocks its tokens need, as the row-by-row path leaves them."""
+    managers = [KVCacheManager(LAYOUTS["full"], num_blocks=40, block_size=4, enable_prefix_caching=False)
+                for _ in range(2)]
+    walks = []
+    for manager in managers:
+        requests = [Request(str(i), list(range(3, 3 + n)), SamplingParams(max_tokens=100))
+                    for i, n in enumerate((4, 6, 8))]   # ends 4 and 8 fill their tails: no room
+        for r in requests:
+            assert manager.allocate_slots(r, r.num_tokens)
+            r.num_computed_tokens = r.num_tokens
+        walks.append(requests)
+    del managers[0]._room["1"]   # end 6, inside its second block
+    rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+    starts = np.array([r.num_computed_tokens for r in walks[0]], dtype=np.int64)
+    assert managers[0].allocate_decode_rows(rows, ["0", "1", "2"], starts) == 3
+    assert all(managers[1].allocate_slots(r, 1) for r in walks[1])
+    assert [len(managers[0].get_block_ids(r)[0]) for r in "012"] == [2, 2, 3]
+    assert [managers[0].get_block_ids(r) for r in "012"] == [managers[1].get_block_ids(r) for r in "012"]
+    managers[0].check_integrity()

@@ -366,12 +366,29 @@ class KVCacheManager:
         run = self._decode_run(request_ids, starts)
         if run is None:
             return self.allocate_rows(rows)
-        for k, i in enumerate(run.roomless):
-            self._num_tokens[request_ids[i]] = int(run.ends[i])   # the per-row path reads it
-            if not self._open_next_block(rows[i][0], 1, 0):
-                return self._leave_run(rows, run, run.roomless[:k], i)
+        opened = self._open_run_blocks(run)
+        if opened < len(run.roomless):
+            return self._leave_run(rows, run, run.roomless[:opened], run.roomless[opened])
         self._move_run(run)
         return len(rows)
+
+    def _open_run_blocks(self, run: DecodeRun) -> int:
+        """`_open_next_block` for the decode run's roomless rows, in order, their
+        blocks taken from the pool in one call (in the order one call a row takes
+        them); each row computes one token at its end (the run's caller vouches).
+        The number opened: the rows up to the first whose next block cannot be
+        opened directly (`_opens_one_block`), or the pool runs short."""
+        groups, ends = len(self.managers), run.ends
+        n = 0
+        for i in run.roomless[:len(self.pool.free_queue) // groups]:
+            end = int(ends[i])
+            if not self._opens_one_block(run.request_ids[i], end, end + 1, 0):
+                break
+            n += 1
+        blocks = self.pool.get_new_blocks(n * groups)
+        for k, i in enumerate(run.roomless[:n]):
+            self._append_next_block(run.request_ids[i], int(ends[i]), blocks[k * groups:(k + 1) * groups])
+        return n
 
     def _decode_run(self, request_ids: list[str], starts: np.ndarray) -> DecodeRun | None:
         """The run these rows continue, or a new one when the cache's ends are
@@ -535,13 +552,17 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens
         if not self._opens_one_block(request_id, end, total, reserve):
             return False
-        blocks = self.pool.get_new_blocks(len(self.managers))
+        self._append_next_block(request_id, end, self.pool.get_new_blocks(len(self.managers)))
+        return True
+
+    def _append_next_block(self, request_id: str, end: int, blocks: list[KVBlock]) -> None:
+        """Each group's table gains its fresh block of `blocks`, solely held, for the
+        token at `end` (a block boundary), and the new block becomes the room."""
         for manager, block in zip(self.managers, blocks):
             manager.append_block(request_id, block)
         tails = self._held.append_fresh(request_id, end // self.block_size, blocks)
-        self._num_tokens[request_id] = total
-        self._room[request_id] = (end + 1, end + self.block_size, tails, total)
-        return True
+        self._num_tokens[request_id] = end + 1
+        self._room[request_id] = (end + 1, end + self.block_size, tails, end + 1)
 
     def _opens_one_block(self, request_id: str, end: int | None, total: int, reserve: int) -> bool:
         """The end moves one token past a block boundary, no group drops blocks,
