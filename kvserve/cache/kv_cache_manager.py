@@ -358,7 +358,8 @@ class KVCacheManager:
         also the end the cache holds, the rows form a `DecodeRun`: a row with a
         room stays inside it (the room holds its end, `_check_room`, so it holds
         end + 1) and all of them move as one array; the rows without a room (one
-        in 16 at 16-token blocks: they open a block) take a call each, first.
+        in 16 at 16-token blocks: they open a block) go first, their blocks taken
+        from the pool at once (`_open_run_blocks`).
         That is the same as taking the rows in order: a room is its request's
         alone (`_set_room`) and the fill total is a sum. Where a row's block
         cannot be opened directly, the run is settled and the step goes on as
