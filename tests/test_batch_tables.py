@@ -297,8 +297,8 @@ def test_a_new_row_count_slices_the_layout_of_its_capacity():
     """Decode-shaped uploads whose row count changes every step (a request finishing
     each): counts of one power-of-two capacity share each slot's layout, every view
     the first rows of the same memory, holding the new values; a count the slot met
-    before takes the same views; a count past the
-    capacity, or a wider table, gets a layout of its own; every view is 16-byte aligned."""
+    before takes the same views; a count past the capacity, or a wider table, gets
+    a layout of its own; every view is 16-byte aligned."""
     ring, rng = cpu_ring(), torch.Generator().manual_seed(4)
 
     def upload(rows: int, width: int = 40) -> list[torch.Tensor]:
