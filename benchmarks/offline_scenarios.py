@@ -135,7 +135,8 @@ def seeded_scenario(text: str) -> tuple[int, str]:
     """`--also`'s NAME@SEED as (seed, name)."""
     name, _, seed = text.partition("@")
     if name not in SCENARIOS or not seed.isdigit():
-        raise argparse.ArgumentTypeError(f"expected NAME@SEED with NAME one of {list(SCENARIOS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME@SEED with NAME one of {list(SCENARIOS)}, got {text!r}")
     return int(seed), name
 
 

@@ -65,8 +65,8 @@ def test_staggered_finishes_keep_hf_parity(checkpoints, kind, monkeypatch):
     """Requests that finish one after another in the middle of steady decode
     (each its own max_tokens): the decode streak goes on without them, each
     remaining row's pending token taken from its row of the step in flight
-    (`SchedulerOutput.previous_rows`, an index uploaded with the step). Each output is the first max_tokens of
-    HF's greedy continuation, and that path ran."""
+    (`SchedulerOutput.previous_rows`, an index uploaded with the step). Each
+    output is the first max_tokens of HF's greedy continuation, and that path ran."""
     from kvserve.runner import model_runner
     prompts, refs = checkpoints
     path, expected = refs[kind]

@@ -249,7 +249,7 @@ class ModelRunner:
         (`same_rows`), by the kept rows' index uploaded with the step (`_decode_sources`), or
         found one by one."""
         if same_rows:
-            inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: every token pending, row i is row i
+            inputs.input_ids.copy_(previous.sample.token_ids)  # steady decode: row i is row i
             return
         if inputs.kept_rows is not None:   # the streak's rows but those that left: row i is row kept[i]
             inputs.input_ids.copy_(previous.sample.token_ids.index_select(0, inputs.kept_rows))
