@@ -140,6 +140,13 @@ def seeded_scenario(text: str) -> tuple[int, str]:
     return int(seed), name
 
 
+def repeated_runs(seeds: list[int], scenarios: list[str], also: list[tuple[int, str]]) -> list[str]:
+    """NAME@SEED of each run `--seeds`, `--scenarios` and `--also` ask for more than
+    once: its result would overwrite the earlier one's."""
+    runs = [*itertools.product(seeds, scenarios), *also]
+    return sorted({f"{name}@{seed}" for seed, name in runs if runs.count((seed, name)) > 1})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", choices=["kvserve", "vllm"])
@@ -164,6 +171,10 @@ def main() -> None:
         p.error("--engine and --model-dir are required unless --compare is given")
     if a.num_prompts is not None and a.num_prompts < 1:
         p.error(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    repeated = repeated_runs(a.seeds, a.scenarios, a.also)
+    if repeated:
+        p.error(f"each scenario and seed may run once (a result per NAME@SEED), asked more than once: "
+                f"{', '.join(repeated)}")
     result = measure(a)
     if a.save_json:
         with open(a.save_json, "w") as f:

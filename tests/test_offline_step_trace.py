@@ -42,3 +42,10 @@ def test_also_takes_name_at_seed_and_names_what_it_wants():
     for bad in ("ide@1", "ide-completion", "ide-completion@x", "qa@-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="NAME@SEED"):
             offline.seeded_scenario(bad)
+
+
+def test_a_scenario_and_seed_asked_for_twice_is_named():
+    assert offline.repeated_runs([0], ["qa", "ide-completion"], [(1, "ide-completion")]) == []
+    assert offline.repeated_runs([0, 1], ["ide-completion"], [(1, "ide-completion"), (0, "qa")]) == \
+        ["ide-completion@1"]
+    assert offline.repeated_runs([0], ["qa"], [(2, "qa"), (2, "qa")]) == ["qa@2"]
