@@ -259,9 +259,7 @@ def _top_k_of_candidates(cand_key_row, cand_idx_row, out_row, count, k, BITS: tl
     valid = j < count
     key = tl.load(cand_key_row + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
     entries = tl.load(cand_idx_row + j, mask=valid, other=0)
-    threshold, high, num_equal = _radix_tile(key, valid, k, BITS)
-    chosen, _ = _choose(key, valid, threshold, high, num_equal, 0)
-    _store_chosen(out_row, 0, entries, chosen)
+    _store_top_k(out_row, key, valid, entries, k, BITS)
 
 
 @triton.jit
@@ -276,6 +274,22 @@ def _top_k_full(score_row, out_row, num_entries, k, BLOCK: tl.constexpr, BITS: t
         chosen, num_eq = _choose(key, valid, threshold, high, num_equal, equal_before)
         taken = _store_chosen(out_row, taken, (e0 + tl.arange(0, BLOCK)).to(tl.int32), chosen)
         equal_before += num_eq
+
+
+@triton.jit
+def _visible_entries(seq_idx_ptr, pos_ptr, t, RATE: tl.constexpr):
+    """How many entries token t sees: the windows ending at or before it (none: padding)."""
+    seq = tl.load(seq_idx_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int32)
+    return tl.where(seq >= 0, (pos + 1) // RATE, 0)
+
+
+@triton.jit
+def _store_top_k(out_row, key, valid, entries, k, BITS: tl.constexpr):
+    """The top k of one tile of keys held in registers: their entries, in tile order, at out_row."""
+    threshold, high, num_equal = _radix_tile(key, valid, k, BITS)
+    chosen, _ = _choose(key, valid, threshold, high, num_equal, 0)
+    _store_chosen(out_row, 0, entries, chosen)
 
 
 @triton.jit
@@ -294,9 +308,7 @@ def _top_k_chunk_kernel(scores_ptr, stride_st, seq_idx_ptr, pos_ptr, k, cand_key
     of its chunks' top k: an entry fewer than k entries beat in its row
     (ties: the earlier wins) has fewer than k beating it in its chunk."""
     t, c = tl.program_id(0), tl.program_id(1)
-    seq = tl.load(seq_idx_ptr + t)
-    pos = tl.load(pos_ptr + t).to(tl.int32)
-    num_entries = tl.where(seq >= 0, (pos + 1) // RATE, 0)
+    num_entries = _visible_entries(seq_idx_ptr, pos_ptr, t, RATE)
     length = tl.minimum(num_entries - c * CHUNK, CHUNK)  # <= 0: past the row's end
     key, valid = _row_keys(scores_ptr + t.to(tl.int64) * stride_st + c * CHUNK, 0, length, CHUNK)
     want = tl.maximum(tl.minimum(length, k), 0)
@@ -314,9 +326,7 @@ def _top_k_merge_kernel(cand_key_ptr, cand_idx_ptr, stride_cand, count_ptr, num_
                         BITS: tl.constexpr):
     """A row's top k from its chunks' candidates (in entry order: chunk by chunk)."""
     t = tl.program_id(0)
-    seq = tl.load(seq_idx_ptr + t)
-    pos = tl.load(pos_ptr + t).to(tl.int32)
-    num_entries = tl.where(seq >= 0, (pos + 1) // RATE, 0)
+    num_entries = _visible_entries(seq_idx_ptr, pos_ptr, t, RATE)
     out_row = out_ptr + t.to(tl.int64) * stride_ot
     if num_entries <= k:
         _take_all(out_row, num_entries, k, BLOCK_K)
@@ -328,9 +338,7 @@ def _top_k_merge_kernel(cand_key_ptr, cand_idx_ptr, stride_cand, count_ptr, num_
     slots = cand_key_ptr + t.to(tl.int64) * stride_cand + j
     key = tl.load(slots, mask=valid, other=0).to(tl.uint32, bitcast=True)
     entries = tl.load(cand_idx_ptr + t.to(tl.int64) * stride_cand + j, mask=valid, other=0)
-    threshold, high, num_equal = _radix_tile(key, valid, k, BITS)
-    chosen, _ = _choose(key, valid, threshold, high, num_equal, 0)
-    _store_chosen(out_row, 0, entries, chosen)
+    _store_top_k(out_row, key, valid, entries, k, BITS)
 
 
 @triton.jit
@@ -339,9 +347,7 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
                   ONE_TILE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAND: tl.constexpr,
                   COMPACT: tl.constexpr):
     t = tl.program_id(0)
-    seq = tl.load(seq_idx_ptr + t)
-    pos = tl.load(pos_ptr + t).to(tl.int32)
-    num_entries = tl.where(seq >= 0, (pos + 1) // RATE, 0)
+    num_entries = _visible_entries(seq_idx_ptr, pos_ptr, t, RATE)
     out_row = out_ptr + t.to(tl.int64) * stride_ot
     if num_entries <= k:
         _take_all(out_row, num_entries, k, BLOCK_K)
