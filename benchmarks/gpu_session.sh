@@ -6,9 +6,8 @@
 #   host: the GPU tests of the runner's host paths (pending tokens, tables, staging, graphs), then the
 #         host step's parts at 256 running, steady and with one finish a step (_lay_out's calls a step
 #         show the padded table widths at work).
-#   v4topk: the split top-k's GPU tests, the CSA decode path at 64/256 x 32K/128K with the top-k
-#         split at chunks 0 (not), 2048, 4096, 8192 (alone, in the path, as a graph's replay), then
-#         the Gluon sparse decode probe's variants (ring shapes, the overlapped consumer order).
+#   v4path: the CSA decode path at 64/256 x 32K/128K, its kernels' default configs (checked), the
+#         path as launched and as a CUDA graph's replay, then the Gluon sparse decode probe's variants.
 #   hostab BASE: host_step_ab.py against BASE's package carried as .base.tar (`git archive BASE kvserve
 #         > .base.tar`), steady and with one finish a step.
 set -u
@@ -54,10 +53,8 @@ if [ "$what" = mixed ]; then
     | grep -v "^INFO" | tail -32 | tee "$OUT/mixed_step.txt"
   timeout 150 python3 benchmarks/v4_model_bench.py --kernels 1 4096 2>&1 | tail -24 | tee "$OUT/v4_kernels_b1.txt"
 fi
-if [ "$what" = v4topk ]; then
-  timeout 150 python3 -m pytest -q -m gpu tests/test_deepseek_v4_kernels.py -k top_k 2>&1 | tail -6 | tee "$OUT/topk_tests.txt"
-  timeout 300 python3 benchmarks/v4_kernel_bench.py --no-extras --path-only --contexts 32768 131072 --batches 64 256 \
-    --top-k-chunks 0 2048 4096 8192 2>&1 | tee "$OUT/topk_bench.txt" | grep -v "^  bs=" | tail -12
-  grep "top-k/\|path" "$OUT/topk_bench.txt"
-  timeout 120 python3 benchmarks/gluon_sparse_decode_probe.py 2>&1 | tee "$OUT/gluon_probe.txt" | tail -24
+if [ "$what" = v4path ]; then
+  timeout 200 python3 benchmarks/v4_kernel_bench.py --no-extras --path-only --contexts 32768 131072 --batches 64 256 \
+    2>&1 | tee "$OUT/v4_path.txt" | grep -v "^| bs=\|^|---\|^| shape" | tail -30
+  timeout 120 python3 benchmarks/gluon_sparse_decode_probe.py 2>&1 | tee "$OUT/gluon_probe.txt" | grep "batch"
 fi

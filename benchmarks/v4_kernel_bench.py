@@ -17,8 +17,8 @@ compile is reported, not timed. Then:
     num_warps, num_stages, heads per program, splits), scores (tile, waves,
     warps, stages), top-k (radix bits, warps, tile);
   * HCA decode attention, old and default;
-  * with --top-k-chunks C ...: the default top-k split at chunk C (0: not),
-    checked and timed, then the path with it (as launched, and graph-replayed);
+  * with --path-only: the default kernels and path alone, the path also as a
+    CUDA graph's replay (as the engine's decode runs it: no launch gaps);
   * GB/s over the bytes the path must read (every visible indexer key, the
     512 chosen entries, the 128 window keys) and the share of a device copy
     (torch copy of 4 GiB, bytes read + written, measured in the same run).
@@ -47,7 +47,7 @@ from kvserve.bench.kernels import copy_bandwidth_gbs  # noqa: E402
 from kvserve.cache.v4_specs import V4KVLayout  # noqa: E402
 from kvserve.model.deepseek_v4 import kernels  # noqa: E402
 from kvserve.model.deepseek_v4.kernels import PageRef, SparseAttentionConfig, V4PagedBatch  # noqa: E402
-from kvserve.model.deepseek_v4.kernels.indexer import TOP_K_CONFIG, ScoreConfig, TopKConfig  # noqa: E402
+from kvserve.model.deepseek_v4.kernels.indexer import ScoreConfig, TopKConfig  # noqa: E402
 from kvserve.model.deepseek_v4.kernels.sparse_attention import GLUON_CONFIG  # noqa: E402
 
 D, DI, H, HI, TOPK, WINDOW, CSA_RATE, HCA_RATE, ROPE = 512, 128, 64, 64, 512, 128, 4, 128, 64
@@ -351,24 +351,16 @@ def default_path(shape: Shape) -> dict:
                 csa_bytes(b, c, False))
     ms = _ms(lambda: p.csa_step(PathConfigs()))
     print(f"  {shape.tag:16s} path default {1e3 * ms:8.1f} us {_rate(csa_bytes(b, c), ms, shape.copy_gbs)}")
+    graph_ms = _graph_ms(lambda: p.csa_step(PathConfigs()))
+    print(f"  {shape.tag:16s} path graph   {1e3 * graph_ms:8.1f} us {_rate(csa_bytes(b, c), graph_ms, shape.copy_gbs)}")
     return {"old": float("nan"), "default": ms, "best": ms}
 
 
-def chunked_top_k(shape: Shape, chunks: list[int]) -> None:
-    """The default top-k config split at each chunk size (0: not split), checked and
-    timed alone, then the path with it, as launched and as a CUDA graph's replay."""
+def _graph_ms(run) -> float:
+    """`run` captured in a CUDA graph (as the engine's decode runs it), the replay timed."""
     from kvserve.runner.cuda_graph import capture_graph
-    p, b, c = shape.pages, shape.batch, shape.context
-    for chunk in chunks:
-        config = replace(TOP_K_CONFIG, chunk=chunk)
-        shape._time(f"top-k/{chunk}", config, lambda: p.top_k(config), shape.check_top_k, 0)
-        run = lambda: p.csa_step(PathConfigs(top_k=config))  # noqa: E731
-        ms = _ms(run)
-        graph, _ = capture_graph(run, None, torch.cuda.Stream())
-        graph_ms = _ms(graph.replay)
-        print(f"  {shape.tag:16s} path top-k/{chunk:<5d} {1e3 * ms:8.1f} us {_rate(csa_bytes(b, c), ms, shape.copy_gbs)}"
-              f"   graph {1e3 * graph_ms:8.1f} us {_rate(csa_bytes(b, c), graph_ms, shape.copy_gbs)}")
-        del graph
+    graph, _ = capture_graph(run, None, torch.cuda.Stream())
+    return _ms(graph.replay)
 
 
 def best_table(rows: list[tuple[Shape, dict]], copy_gbs: float) -> None:
@@ -465,9 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-extras", action="store_true", help="skip the compressor and prefill-chunk timings")
     parser.add_argument("--no-attention-grid", action="store_true", help="attention: the old and default configs only")
     parser.add_argument("--path-only", action="store_true",
-                        help="each shape's default kernels (checked) and default path alone: no config grids")
-    parser.add_argument("--top-k-chunks", type=int, nargs="*", default=[],
-                        help="also the default top-k split at these chunk sizes (0: not), alone and in the path")
+                        help="each shape's default kernels (checked) and default path alone (as launched and as a "
+                             "CUDA graph's replay): no config grids")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--prefill-context", type=int, default=32768)
     args = parser.parse_args(argv)
@@ -483,8 +474,6 @@ def main(argv: list[str] | None = None) -> None:
         for batch in batches:
             shape = Shape(batch, context, args.block_size, copy_gbs)
             rows.append((shape, bench_shape(shape, args.quick, args.no_attention_grid, args.path_only)))
-            if args.top_k_chunks:
-                chunked_top_k(shape, args.top_k_chunks)
             shape.pages = shape.ref = None
             for kind in ("csa", "hca"):
                 shape.__dict__.pop(f"ref_{kind}", None)

@@ -17,7 +17,6 @@ engine on CUDA against the CPU.
 from __future__ import annotations
 
 import copy
-from unittest import mock
 
 import pytest
 import torch
@@ -312,12 +311,11 @@ def check_top_k_ties(block_size: int, device: str, seed: int, top_k=None) -> Non
     check_top_k_rows(out, scores, visible, 5)
 
 
-def check_top_k_candidates(device: str, k: int, positions: list[int], seed: int, configs=None) -> None:
+def check_top_k_candidates(device: str, k: int, positions: list[int], seed: int) -> None:
     """Rows long enough for the group-maxima shortcut: distinct scores (the
     candidates fit), rounded scores (ties inside the candidates), a row of one
     value (the candidates overflow: the full passes), and short rows (too few
-    groups), against top_k_mask, with and without the shortcut (or `configs`:
-    e.g. split rows, whose chunks then hold the ties and the short tails)."""
+    groups), against top_k_mask, with and without the shortcut."""
     from kvserve.model.deepseek_v4 import kernels
     gen = torch.Generator().manual_seed(seed)
     case = PagedCase(v4_config("tiny", index_topk=k), [(p, 1) for p in positions], 16, torch.float32, device, gen)
@@ -327,19 +325,10 @@ def check_top_k_candidates(device: str, k: int, positions: list[int], seed: int,
     scores[2] = -0.0
     scores = scores.to(device)
     visible = ref.visible_entries(case.batch.positions, width, 4)
-    for config in configs or (top_k_config(candidates=True), top_k_config(candidates=False)):
+    for candidates in (True, False):
         out = torch.full((len(positions), k), 777, dtype=torch.int32, device=device)
-        with poisoned_scratch():
-            kernels.top_k_indices(scores, case.batch, 4, k, out, config)
+        kernels.top_k_indices(scores, case.batch, 4, k, out, top_k_config(candidates=candidates))
         check_top_k_rows(out, scores, visible, k)
-
-
-def poisoned_scratch():
-    """The split top-k's scratch filled with -1 (as a key, the largest score),
-    so that a slot read but not written shows in the chosen entries."""
-    from kvserve.model.deepseek_v4.kernels import indexer
-    return mock.patch.object(indexer, "_scratch", lambda shape, device: torch.full(shape, -1, dtype=torch.int32,
-                                                                                     device=device))
 
 
 # ---- sparse attention ---------------------------------------------------------------------------
@@ -523,8 +512,6 @@ def interpreter_checks() -> None:
     check_top_k_ties(16, "cpu", 1)
     check_top_k_ties(16, "cpu", 2, top_k_config(radix_bits=4))
     check_top_k_candidates("cpu", 8, [1000, 900, 700, 90, 31, 300], 4)
-    # split rows: 3, 2 (the second of one entry) and 1 chunks, and rows of at most k
-    check_top_k_candidates("cpu", 8, [9000, 4100, 3000, 20, 31, 12300], 5, [top_k_config(chunk=1024, radix_bits=4)])
     for num_splits in (2, 5):  # split-KV: the sink in split 0, empty splits merge as nothing
         err = check_attention(HCA, CPU_HCA128, 16, torch.float32, "cpu", num_splits, num_splits=num_splits,
                               hca_rate=128, block_n=16, sliding_window=64)
@@ -635,12 +622,6 @@ def test_kernels_compile_for_sm90():
                          {"RATE": 4, "BLOCK": top_k.max_tile, "BLOCK_K": 512, "BITS": top_k.radix_bits,
                           "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand,
                           "COMPACT": min(top_k.max_tile, 32 * indexer.COMPACT_PER_THREAD * warps)}, warps)
-    split = {"seq_idx_ptr": "*i32", "pos_ptr": "*i64", "cand_key_ptr": "*i32", "cand_idx_ptr": "*i32",
-             "count_ptr": "*i32"}
-    compile_for_sm90(indexer._top_k_chunk_kernel, split | {"scores_ptr": "*fp32"},
-                     {"RATE": 4, "CHUNK": 8192, "BITS": 4}, 8, 1, ints | {"num_chunks"})
-    compile_for_sm90(indexer._top_k_merge_kernel, split | {"out_ptr": "*i32"},
-                     {"RATE": 4, "CAND": 2048, "BLOCK_K": 512, "BITS": 4}, 8, 1, ints | {"num_chunks"})
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {
             "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
@@ -715,15 +696,12 @@ def test_top_k_ties_gpu():
     check_top_k_ties(16, "cuda", 0)
     check_top_k_ties(16, "cuda", 1, top_k_config(radix_bits=4))
     check_top_k_candidates("cuda", 512, [131071, 70000, 65536, 9000, 32768, 2047], 6)
-    check_top_k_candidates("cuda", 512, [131071, 70000, 65536, 9000, 32768, 2047, 16388], 7,
-                           [top_k_config(radix_bits=4, chunk=chunk) for chunk in (1024, 4096, 8192)])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [{"max_tile": 1024}, {"radix_bits": 4}, {"radix_bits": 4, "num_warps": 4},
-                                    {"radix_bits": 4, "chunk": 4096}, {"radix_bits": 8, "chunk": 2048}])
+@pytest.mark.parametrize("fields", [{"max_tile": 1024}, {"radix_bits": 4}, {"radix_bits": 4, "num_warps": 4}])
 def test_top_k_configs_gpu(fields):
-    """Rows of several tiles (re-read each pass), 4-bit passes and split rows against top_k_mask."""
+    """Rows of several tiles (re-read each pass) and 4-bit passes against top_k_mask."""
     from kvserve.model.deepseek_v4 import kernels
     gen = torch.Generator().manual_seed(5)
     positions = torch.tensor([70000, 9000, 2047, 4095, 30000])

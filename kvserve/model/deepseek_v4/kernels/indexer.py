@@ -20,11 +20,6 @@ distinct entries, so T >= the k-th largest maximum L). Entries >= L are few
 them, in entry order, into a buffer of `groups_per_k` x k and the radix passes run on that
 tile in registers: two passes over the row instead of one per radix digit.
 A row whose candidates overflow the buffer (heavy ties) takes the full passes.
-
-Split rows (`TopKConfig.chunk`): one program a row is latency-bound (its
-passes run one after another, whatever the batch), so long rows may go in
-two launches instead: a program per chunk keeps its chunk's top k (radix in
-registers), then a program per row takes the top k of those candidates.
 """
 from __future__ import annotations
 
@@ -65,15 +60,12 @@ class TopKConfig:
     num_warps: int | None = None  # None: a warp per 1,024 scores of the tile, 4 to 16
     candidates: bool = True  # rows of >= 8k entries: bound T by group maxima, radix over the candidates
     groups_per_k: int = 4    # the shortcut's group maxima (and candidate buffer): this many times k
-    # Rows longer than this: split, a program per chunk of this many scores keeps its
-    # chunk's top k, then a program per row picks the row's top k from theirs (0: off).
-    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.radix_bits not in (2, 4, 8) or self.max_tile < 1024 or self.max_tile & (self.max_tile - 1) or \
-                self.groups_per_k < 2 or (self.chunk and (self.chunk < 1024 or self.chunk & (self.chunk - 1))):
-            raise ValueError(f"TopKConfig needs radix_bits in (2, 4, 8), a power-of-two max_tile >= 1024, "
-                             f"groups_per_k >= 2 and chunk 0 or a power of two >= 1024, got {self}")
+                self.groups_per_k < 2:
+            raise ValueError(f"TopKConfig needs radix_bits in (2, 4, 8), a power-of-two max_tile >= 1024 and "
+                             f"groups_per_k >= 2, got {self}")
 
 
 # The configs the kernels run when the caller passes none (edit from
@@ -259,7 +251,9 @@ def _top_k_of_candidates(cand_key_row, cand_idx_row, out_row, count, k, BITS: tl
     valid = j < count
     key = tl.load(cand_key_row + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
     entries = tl.load(cand_idx_row + j, mask=valid, other=0)
-    _store_top_k(out_row, key, valid, entries, k, BITS)
+    threshold, high, num_equal = _radix_tile(key, valid, k, BITS)
+    chosen, _ = _choose(key, valid, threshold, high, num_equal, 0)
+    _store_chosen(out_row, 0, entries, chosen)
 
 
 @triton.jit
@@ -277,80 +271,19 @@ def _top_k_full(score_row, out_row, num_entries, k, BLOCK: tl.constexpr, BITS: t
 
 
 @triton.jit
-def _visible_entries(seq_idx_ptr, pos_ptr, t, RATE: tl.constexpr):
-    """How many entries token t sees: the windows ending at or before it (none: padding)."""
-    seq = tl.load(seq_idx_ptr + t)
-    pos = tl.load(pos_ptr + t).to(tl.int32)
-    return tl.where(seq >= 0, (pos + 1) // RATE, 0)
-
-
-@triton.jit
-def _store_top_k(out_row, key, valid, entries, k, BITS: tl.constexpr):
-    """The top k of one tile of keys held in registers: their entries, in tile order, at out_row."""
-    threshold, high, num_equal = _radix_tile(key, valid, k, BITS)
-    chosen, _ = _choose(key, valid, threshold, high, num_equal, 0)
-    _store_chosen(out_row, 0, entries, chosen)
-
-
-@triton.jit
-def _take_all(out_row, num_entries, k, BLOCK_K: tl.constexpr):
-    """A row of at most k visible entries: every one is chosen, then -1."""
-    for j0 in range(0, k, BLOCK_K):
-        j = j0 + tl.arange(0, BLOCK_K)
-        tl.store(out_row + j, tl.where(j < num_entries, j, -1).to(tl.int32), mask=j < k)
-
-
-@triton.jit
-def _top_k_chunk_kernel(scores_ptr, stride_st, seq_idx_ptr, pos_ptr, k, cand_key_ptr, cand_idx_ptr, stride_cand,
-                        count_ptr, num_chunks, RATE: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr):
-    """A chunk's top k (all of it when shorter), in entry order, at its k slots of
-    the row's candidates, and how many there are. A row's top k is the top k
-    of its chunks' top k: an entry fewer than k entries beat in its row
-    (ties: the earlier wins) has fewer than k beating it in its chunk."""
-    t, c = tl.program_id(0), tl.program_id(1)
-    num_entries = _visible_entries(seq_idx_ptr, pos_ptr, t, RATE)
-    length = tl.minimum(num_entries - c * CHUNK, CHUNK)  # <= 0: past the row's end
-    key, valid = _row_keys(scores_ptr + t.to(tl.int64) * stride_st + c * CHUNK, 0, length, CHUNK)
-    want = tl.maximum(tl.minimum(length, k), 0)
-    threshold, high, num_equal = _radix_tile(key, valid, want, BITS)
-    chosen, _ = _choose(key, valid, threshold, high, num_equal, 0)
-    slots = t.to(tl.int64) * stride_cand + c * k
-    _store_chosen(cand_key_ptr + slots, 0, key.to(tl.int32, bitcast=True), chosen)
-    _store_chosen(cand_idx_ptr + slots, 0, c * CHUNK + tl.arange(0, CHUNK), chosen)
-    tl.store(count_ptr + t * num_chunks + c, want)
-
-
-@triton.jit
-def _top_k_merge_kernel(cand_key_ptr, cand_idx_ptr, stride_cand, count_ptr, num_chunks, out_ptr, stride_ot,
-                        seq_idx_ptr, pos_ptr, k, RATE: tl.constexpr, CAND: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BITS: tl.constexpr):
-    """A row's top k from its chunks' candidates (in entry order: chunk by chunk)."""
-    t = tl.program_id(0)
-    num_entries = _visible_entries(seq_idx_ptr, pos_ptr, t, RATE)
-    out_row = out_ptr + t.to(tl.int64) * stride_ot
-    if num_entries <= k:
-        _take_all(out_row, num_entries, k, BLOCK_K)
-        return
-    j = tl.arange(0, CAND)
-    chunk = j // k
-    in_chunk = chunk < num_chunks
-    valid = in_chunk & (j - chunk * k < tl.load(count_ptr + t * num_chunks + chunk, mask=in_chunk, other=0))
-    slots = cand_key_ptr + t.to(tl.int64) * stride_cand + j
-    key = tl.load(slots, mask=valid, other=0).to(tl.uint32, bitcast=True)
-    entries = tl.load(cand_idx_ptr + t.to(tl.int64) * stride_cand + j, mask=valid, other=0)
-    _store_top_k(out_row, key, valid, entries, k, BITS)
-
-
-@triton.jit
 def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, scratch_ptr, stride_scratch,
                   RATE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
                   ONE_TILE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAND: tl.constexpr,
                   COMPACT: tl.constexpr):
     t = tl.program_id(0)
-    num_entries = _visible_entries(seq_idx_ptr, pos_ptr, t, RATE)
+    seq = tl.load(seq_idx_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int32)
+    num_entries = tl.where(seq >= 0, (pos + 1) // RATE, 0)
     out_row = out_ptr + t.to(tl.int64) * stride_ot
-    if num_entries <= k:
-        _take_all(out_row, num_entries, k, BLOCK_K)
+    if num_entries <= k:  # every visible entry is chosen
+        for j0 in range(0, k, BLOCK_K):
+            j = j0 + tl.arange(0, BLOCK_K)
+            tl.store(out_row + j, tl.where(j < num_entries, j, -1).to(tl.int32), mask=j < k)
         return
     score_row = scores_ptr + t.to(tl.int64) * stride_st
     full = num_entries > k  # (true here) cleared once the candidate shortcut has written the row
@@ -436,8 +369,6 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
         return out
     config = config if config is not None else TOP_K_CONFIG
     max_entries = max(1, batch.max_seq_len // rate)
-    if _num_chunks(max_entries, config) > 1:
-        return _top_k_split(scores, batch, rate, k, out, config)
     block = _tile(max_entries, config)
     num_warps = config.num_warps or max(4, min(16, block // 1024))
     group, block_g, cand = _shortcut_plan(max_entries, k, config)
@@ -452,45 +383,6 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
     return out
 
 
-def _num_chunks(max_entries: int, config: TopKConfig) -> int:
-    """Chunks of the split top-k in the longest row (1: not split)."""
-    return triton.cdiv(max_entries, config.chunk) if config.chunk else 1
-
-
-def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int32 scratch, not initialised (tests poison it: a kernel reads only what it wrote)."""
-    return torch.empty(shape, dtype=torch.int32, device=device)
-
-
-def _top_k_split(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, out: torch.Tensor,
-                 config: TopKConfig) -> torch.Tensor:
-    """top_k_indices in two launches: each chunk's top k, then each row's from those."""
-    num_chunks = _num_chunks(max(1, batch.max_seq_len // rate), config)
-    num_tokens, device = batch.num_tokens, scores.device
-    cand = _scratch((2, num_tokens, num_chunks * k), device)  # keys, entries
-    counts = _scratch((num_tokens, num_chunks), device)
-    num_warps = config.num_warps or max(4, min(16, config.chunk // 1024))
-    _top_k_chunk_kernel[(num_tokens, num_chunks)](
-        scores, scores.stride(0), batch.seq_idx, batch.positions, k, cand[0], cand[1], cand.stride(1), counts,
-        num_chunks, RATE=rate, CHUNK=config.chunk, BITS=config.radix_bits, num_warps=num_warps)
-    _top_k_merge_kernel[(num_tokens,)](
-        cand[0], cand[1], cand.stride(1), counts, num_chunks, out, out.stride(0), batch.seq_idx, batch.positions, k,
-        RATE=rate, CAND=triton.next_power_of_2(num_chunks * k), BLOCK_K=min(1024, triton.next_power_of_2(k)),
-        BITS=config.radix_bits, num_warps=num_warps)
-    return out
-
-
-def _scratch_per_row(width: int, k: int, config: TopKConfig | None = None) -> int:
-    """int32s of top-k scratch a row of `width` scores takes (split: its chunks'
-    candidates and counts; else the shortcut's group maxima and candidates)."""
-    config = config if config is not None else TOP_K_CONFIG
-    chunks = _num_chunks(width, config)
-    if chunks > 1:
-        return chunks * (2 * k + 1)
-    _, groups, candidates = _shortcut_plan(width, k, config)
-    return groups + 2 * candidates
-
-
 def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
                 rate: int, k: int) -> torch.Tensor:
     """[T, k] int32: each token's top-k visible entries (ascending, -1 padded).
@@ -500,7 +392,8 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
     8,192-token chunk at 1M tokens would need 8.6 GB at once), the top-k
     shortcut's scratch counted in."""
     width = max(1, batch.max_seq_len // rate)
-    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * (width + _scratch_per_row(width, k)))))
+    _, groups, candidates = _shortcut_plan(width, k, TOP_K_CONFIG)
+    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * (width + groups + 2 * candidates))))
     scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q.device)
     for first in range(0, batch.num_tokens, rows):
