@@ -2,7 +2,7 @@
 
 The kernel is production's `kvserve/model/deepseek_v4/kernels/sparse_decode_gluon.py` (its
 module doc says how it works); this probe checks and times its variants: key rows a ring slot
-(BLOCK_N), ring depth (STAGES), and the consumers' order (OVERLAP). Our Triton kernel
+(BLOCK_N) and ring depth (STAGES). Our Triton kernel
 (`sparse_attention.py`, planned path, block_n 64, one split) reads its bytes at ~29% of copy
 bandwidth at batch 256 (134 us).
 
@@ -16,14 +16,10 @@ Measured (H200, 2026-12-04, docs/BENCHMARKS.md, at 0c8737a, when the probe had i
 int32 ids): "n64 st2" 80.1 us at batch 256 (54.7% of copy), 32.4 us at 64 (33.7%: 64 programs on
 132 SMs), 154.5 us at 512; n32 st4 and n32 st2 slower. Persistent variants (one program an SM
 walking tokens through one ring) were no faster (80.4 us at 256) and are gone.
-Each consumer runs a tile serially (S wgmma, wait, softmax, PV wgmma, wait). The overlap
-variants (not yet run on a GPU) take FA3's order, as `kvserve/attention/kernels/prefill_gluon.py`
-does: S(j) is issued before P(j-1) V(j-1), a wait leaving one wgmma group outstanding retires
-S(j), and tile j's softmax runs while PV(j-1) is on the tensor cores. K and V being one slot, a
-slot is released only after its PV, a tile later than above: a consumer holds two slots, so
-"n64 st2 overlap" cannot start gathering tile j + 1 before PV(j-1) is done (less lookahead than
-"n64 st2"); "n32 st4 overlap" holds two slots of four. The key mask is applied to a token's last
-tile only (its column indices otherwise stay live through the loop and spill). Split-S with fp32
+Each consumer runs a tile serially (S wgmma, wait, softmax, PV wgmma, wait). FA3's order (S(j)
+issued before P(j-1) V(j-1); a slot then released a tile later, two slots held per consumer) was
+probed as "n64 st2 overlap" and "n32 st4 overlap": 7-23% slower than "n64 st2" at batch 64, 256
+and 512 (H100, 2026-12-05, docs/BENCHMARKS.md), and removed. Split-S with fp32
 partial scores needs 2 x 16 KB of exchange at BLOCK_N 64, more than "n64 st2" leaves free
 (about 30 KB); at BLOCK_N 32 it fits.
 
@@ -51,26 +47,24 @@ WINDOW_KEYS, CHOSEN_KEYS = 128, 512
 MAX_KEYS = WINDOW_KEYS + CHOSEN_KEYS
 LOG2E = 1.4426950408889634
 ROW_ALIGN = HEAD_DIM   # the probe's storage is [rows, 512]: a row id is its offset / 512
-# name -> (BLOCK_N key rows per ring slot, STAGES, OVERLAP); a slot holds BLOCK_N KB. OVERLAP:
-# S(j) is issued before P(j-1) V(j-1) is waited on (module doc).
-VARIANTS = {"n64 st2": (64, 2, False), "n32 st4": (32, 4, False), "n32 st2": (32, 2, False),
-            "n64 st2 overlap": (64, 2, True), "n32 st4 overlap": (32, 4, True)}
+# name -> (BLOCK_N key rows per ring slot, STAGES); a slot holds BLOCK_N KB.
+VARIANTS = {"n64 st2": (64, 2), "n32 st4": (32, 4), "n32 st2": (32, 2)}
 
 
-def gluon_sparse_decode(q, storage, rows, sinks, out, scale: float, block_n: int, stages: int, overlap: bool):
+def gluon_sparse_decode(q, storage, rows, sinks, out, scale: float, block_n: int, stages: int):
     """Production's kernel on the probe's inputs: rows [T, max_keys] int64 storage row ids."""
-    return sd.sparse_decode_gluon(q, storage, rows, ROW_ALIGN, sinks, scale * LOG2E, out, block_n, stages, overlap)
+    return sd.sparse_decode_gluon(q, storage, rows, ROW_ALIGN, sinks, scale * LOG2E, out, block_n, stages)
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
-def compile_variant(block_n: int, stages: int, overlap: bool):
+def compile_variant(block_n: int, stages: int):
     """Compile the kernel for sm_90 without a GPU, specialized as a launch on MAX_KEYS would be."""
     signature = {"q_ptr": "*bf16", "storage_ptr": "*bf16", "plan_ptr": "*i64", "sinks_ptr": "*fp32",
                  "out_ptr": "*bf16", "qk_scale": "fp32", "stride_qt": "i32", "stride_pt": "i32", "stride_ot": "i32",
                  "max_keys": "i32"}
     constexprs = {"HEADS": HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_N": block_n, "STAGES": stages, "CHUNK": sd.CHUNK,
-                  "MAX_TILES": sd.max_tiles(MAX_KEYS, block_n), "ROW_ALIGN": ROW_ALIGN, "OVERLAP": overlap}
+                  "MAX_TILES": sd.max_tiles(MAX_KEYS, block_n), "ROW_ALIGN": ROW_ALIGN}
     aligned = [n for n in signature if n.endswith("_ptr") or n.startswith("stride_") or n == "max_keys"]
     return compile_sm90(sd._sparse_decode_kernel, signature, constexprs, aligned, sd.CONSUMER_WARPS.value)
 

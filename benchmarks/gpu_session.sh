@@ -6,8 +6,9 @@
 #   host: the GPU tests of the runner's host paths (pending tokens, tables, staging, graphs), then the
 #         host step's parts at 256 running, steady and with one finish a step (_lay_out's calls a step
 #         show the padded table widths at work).
-#   v4path: the CSA decode path at 64/256 x 32K/128K, its kernels' default configs (checked), the
-#         path as launched and as a CUDA graph's replay, then the Gluon sparse decode probe's variants.
+#   v4path: the Gluon sparse decode kernel's GPU tests, the CSA decode path at 64/256 x 32K/128K, its
+#         kernels' default configs (checked), the path as launched and as a CUDA graph's replay, then
+#         the Gluon sparse decode probe's variants.
 #   hostab BASE: host_step_ab.py against BASE's package carried as .base.tar (`git archive BASE kvserve
 #         > .base.tar`), steady and with one finish a step.
 set -u
@@ -54,6 +55,7 @@ if [ "$what" = mixed ]; then
   timeout 150 python3 benchmarks/v4_model_bench.py --kernels 1 4096 2>&1 | tail -24 | tee "$OUT/v4_kernels_b1.txt"
 fi
 if [ "$what" = v4path ]; then
+  timeout 150 python3 -m pytest -q -m gpu tests/test_v4_sparse_gluon.py 2>&1 | tail -3 | tee "$OUT/gluon_tests.txt"
   timeout 200 python3 benchmarks/v4_kernel_bench.py --no-extras --path-only --contexts 32768 131072 --batches 64 256 \
     2>&1 | tee "$OUT/v4_path.txt" | grep -v "^| bs=\|^|---\|^| shape" | tail -30
   timeout 120 python3 benchmarks/gluon_sparse_decode_probe.py 2>&1 | tee "$OUT/gluon_probe.txt" | grep "batch"

@@ -12,9 +12,9 @@ written against Triton 3.6.0), 12 warps a program:
 - two consumer warpgroups (the 64 heads are the wgmma's M): each computes the full
   S = Q K^T and the online softmax (exp2; the sink is the running max's start with weight 1)
   and owns half the output dims for P V (64 x 256 fp32, 128 registers a thread), then arrives
-  once on the slot's `empty` barrier. With OVERLAP (not yet run on a GPU) each consumer issues
-  S(j) before P(j-1) V(j-1), so tile j's softmax runs while PV(j-1) is on the tensor cores
-  (FA3's order, as `attention/kernels/prefill_gluon.py`), releasing a slot one tile later.
+  once on the slot's `empty` barrier. FA3's order (S(j) issued before P(j-1) V(j-1)), as
+  `attention/kernels/prefill_gluon.py` runs it, was measured slower here (7-23% on an H100,
+  2026-12-05, docs/BENCHMARKS.md) and removed.
 The plan lists a token's valid keys first and -1 after them (window keys, then the chosen or
 visible entries): keys past the count of valid ids are masked, and a token with none (a
 padding row) outputs zeros.
@@ -174,23 +174,6 @@ def _softmax_step(s, m_i, l_i, key0, n_valid, qk_scale):
 
 
 @gluon.jit
-def _mask_keys(s, key0, n_valid):
-    """Scores of keys past the token's valid ones (key0: the tile's first key) to -inf."""
-    keys = key0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-    return gl.where(keys[None, :] < n_valid, s, float("-inf"))
-
-
-@gluon.jit
-def _softmax_tail_masked(s, m_i, l_i, key0, n_valid, qk_scale):
-    """`_softmax_step`, masking only a tile that reaches past the valid keys (a token's last):
-    the mask's column indices are then not kept live through the whole tile loop."""
-    s = s * qk_scale
-    if key0 + s.shape[1] > n_valid:
-        s = _mask_keys(s, key0, n_valid)
-    return _online_softmax(s, m_i, l_i)
-
-
-@gluon.jit
 def _online_softmax(s, m_i, l_i):
     m_new = gl.maximum(m_i, gl.max(s, 1))
     alpha = gl.exp2(m_i - m_new)
@@ -232,59 +215,6 @@ def _p_operand(p, acc):
 
 
 @gluon.jit
-def _issue_s(q_smem, k_smem, ready, s_zero, j, STAGES: gl.constexpr):
-    """Issue S(j) = Q K(j)^T asynchronously once tile j has landed in its slot."""
-    slot = j % STAGES
-    mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-    # cp.async wrote the slot through the generic proxy; wgmma reads it through the async one
-    fence_async_shared()
-    return warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _issue_pv(wg: gl.constexpr, p16, k_smem, acc, j, STAGES: gl.constexpr):
-    """Issue O_half += P(j) V(j)_half asynchronously (V = tile j's slot, this consumer's columns)."""
-    HALF: gl.constexpr = acc.shape[1]
-    return warpgroup_mma(p16, k_smem.index(j % STAGES).slice(wg * HALF, HALF, dim=1), acc, is_async=True)
-
-
-@gluon.jit
-def _first_tile(q_smem, k_smem, ready, m_i, l_i, acc, s_zero, n_valid, qk_scale, STAGES: gl.constexpr):
-    """S(0) and its softmax, nothing to overlap yet; returns the state P(0) V(0) starts from.
-    Its own function, so S and P of the prologue are not carried through the loop's registers."""
-    s = warpgroup_mma_wait(0, deps=(_issue_s(q_smem, k_smem, ready, s_zero, 0, STAGES), ))
-    p, alpha, m_i, l_i = _softmax_tail_masked(s, m_i, l_i, 0, n_valid, qk_scale)
-    acc, p16 = _rescale_and_p16(acc, alpha, p)
-    return m_i, l_i, acc, p16
-
-
-@gluon.jit
-def _consume_overlapped(wg: gl.constexpr, q_smem, k_smem, ready, empty, m_i, l_i, acc, s_zero, n_valid, n_tiles,
-                        qk_scale, STAGES: gl.constexpr):
-    """FA3's order: S(j) is issued before P(j-1) V(j-1), so tile j's softmax runs while PV(j-1)
-    is on the tensor cores. A slot is released (`empty`) only after PV read it, one tile later
-    than in `_attend_tile`: this consumer holds two slots at once, so the ring needs STAGES >= 2
-    (with one, PV(j-1)'s release would wait for tile j, which waits for that release)."""
-    gl.static_assert(STAGES >= 2, "the overlapped loop holds two ring slots")
-    BLOCK_N: gl.constexpr = s_zero.shape[1]
-    if n_tiles > 0:   # a token without keys: no tile will ever be ready
-        m_i, l_i, acc, p16 = _first_tile(q_smem, k_smem, ready, m_i, l_i, acc, s_zero, n_valid, qk_scale, STAGES)
-        for j in range(1, n_tiles):
-            s = _issue_s(q_smem, k_smem, ready, s_zero, j, STAGES)
-            acc = _issue_pv(wg, p16, k_smem, acc, j - 1, STAGES)
-            # wgmma groups retire in order: one left outstanding means S(j) is done, PV(j-1) may run on
-            s = warpgroup_mma_wait(1, deps=(s, ))
-            p, alpha, m_i, l_i = _softmax_tail_masked(s, m_i, l_i, j * BLOCK_N, n_valid, qk_scale)
-            acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-            mbarrier.arrive(empty.index((j - 1) % STAGES))   # S(j-1) and PV(j-1) have both read it
-            acc, p16 = _rescale_and_p16(acc, alpha, p)
-        acc = _issue_pv(wg, p16, k_smem, acc, n_tiles - 1, STAGES)
-        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-        mbarrier.arrive(empty.index((n_tiles - 1) % STAGES))
-    return l_i, acc
-
-
-@gluon.jit
 def _store_out(wg: gl.constexpr, out_ptr, acc, l_i):
     """Normalise and store this consumer's 256 output dims straight from the wgmma layout."""
     HALF: gl.constexpr = acc.shape[1]
@@ -314,20 +244,16 @@ def _consumer_state(sinks_ptr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOC
 @gluon.jit
 def _consumer(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready, ready, empty, n_valid, n_tiles,
               qk_scale, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+              STAGES: gl.constexpr):
     """One warpgroup: all 64 heads x output dims [wg * 256, (wg + 1) * 256)."""
     m_i, l_i, acc, s_zero = _consumer_state(sinks_ptr, HEADS, HEAD_DIM, BLOCK_N)
     mbarrier.wait(q_ready, 0)
-    if OVERLAP:
-        l_i, acc = _consume_overlapped(wg, q_smem, k_smem, ready, empty, m_i, l_i, acc, s_zero, n_valid, n_tiles,
-                                       qk_scale, STAGES)
-    else:
-        for j in range(n_tiles):
-            slot = j % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            m_i, l_i, acc = _attend_tile(wg, q_smem, k_smem.index(slot), m_i, l_i, acc, s_zero, j * BLOCK_N,
-                                         n_valid, qk_scale)
-            mbarrier.arrive(empty.index(slot))
+    for j in range(n_tiles):
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        m_i, l_i, acc = _attend_tile(wg, q_smem, k_smem.index(slot), m_i, l_i, acc, s_zero, j * BLOCK_N,
+                                     n_valid, qk_scale)
+        mbarrier.arrive(empty.index(slot))
     _store_out(wg, out_ptr, acc, l_i)
 
 
@@ -349,7 +275,7 @@ def shared_state(HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 def _sparse_decode_kernel(q_ptr, storage_ptr, plan_ptr, sinks_ptr, out_ptr, qk_scale, stride_qt, stride_pt,
                           stride_ot, max_keys, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr,
-                          MAX_TILES: gl.constexpr, ROW_ALIGN: gl.constexpr, OVERLAP: gl.constexpr):
+                          MAX_TILES: gl.constexpr, ROW_ALIGN: gl.constexpr):
     """Program = one token. q/out rows are [HEADS, HEAD_DIM] contiguous within a token."""
     t = gl.program_id(0).to(gl.int64)
     IDS_POW2: gl.constexpr = MAX_TILES * BLOCK_N
@@ -365,9 +291,9 @@ def _sparse_decode_kernel(q_ptr, storage_ptr, plan_ptr, sinks_ptr, out_ptr, qk_s
     # arguments spelled out in place: a tuple bound to a name would turn the constexprs into tensors
     gl.warp_specialize([
         (_consumer, (0, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
-                     qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES, OVERLAP)),
+                     qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES)),
         (_consumer, (1, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
-                     qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES, OVERLAP)),
+                     qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES)),
         (_producer, (q_ptr, storage_ptr, plan_ptr, max_keys, n_tiles, q_smem, k_smem, ids_smem,
                      q_ready.index(0), ready, empty, HEADS, HEAD_DIM, BLOCK_N, STAGES, CHUNK, IDS_POW2,
                      ROW_ALIGN)),
@@ -381,18 +307,17 @@ def max_tiles(max_keys: int, block_n: int = BLOCK_N) -> int:
 
 def sparse_decode_gluon(q: torch.Tensor, storage: torch.Tensor, plan: torch.Tensor, row_align: int,
                         sinks: torch.Tensor, qk_scale: float, out: torch.Tensor, block_n: int = BLOCK_N,
-                        stages: int = STAGES, overlap: bool = False) -> torch.Tensor:
+                        stages: int = STAGES) -> torch.Tensor:
     """out [T, 64, 512] = attention of q [T, 64, 512] over the plan's keys [T, max_keys] (int64
     storage offsets / row_align, valid first, -1 after) plus one sink logit per head (sinks [64]
-    float32); `qk_scale` in log2 units. The caller checked `supports`. `block_n`, `stages` and
-    `overlap` (S(j) issued before P(j-1) V(j-1)) are the probe's variants; the defaults are the
-    fastest measured."""
+    float32); `qk_scale` in log2 units. The caller checked `supports`. `block_n` and `stages`
+    are the probe's variants; the defaults are the fastest measured."""
     num_tokens, max_keys = plan.shape
     if num_tokens == 0:
         return out
     _sparse_decode_kernel[(num_tokens, )](
         q, storage, plan, sinks, out, qk_scale, q.stride(0), plan.stride(0), out.stride(0), max_keys,
         HEADS=HEADS, HEAD_DIM=HEAD_DIM, BLOCK_N=block_n, STAGES=stages, CHUNK=CHUNK,
-        MAX_TILES=max_tiles(max_keys, block_n), ROW_ALIGN=row_align, OVERLAP=overlap,
+        MAX_TILES=max_tiles(max_keys, block_n), ROW_ALIGN=row_align,
         num_warps=CONSUMER_WARPS.value)
     return out
