@@ -134,7 +134,8 @@ def _stage_kernel(scores_ptr, stride_st, out_ptr, stride_ot, scratch_ptr, stride
     _top_k_of_candidates(scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND, out_row, count, k, BITS, CAND)
 
 
-def run_stage(pages: DecodePages, out: torch.Tensor, scratch: torch.Tensor, stage: int, prefetch: bool) -> None:
+def run_stage(pages: DecodePages, out: torch.Tensor, scratch: torch.Tensor, stage: int, prefetch: bool,
+              per_thread: int = indexer.COMPACT_PER_THREAD) -> None:
     config = indexer.TOP_K_CONFIG
     entries = pages.scores.shape[1]
     block = indexer._tile(entries, config)
@@ -143,10 +144,10 @@ def run_stage(pages: DecodePages, out: torch.Tensor, scratch: torch.Tensor, stag
     _stage_kernel[(pages.scores.shape[0],)](
         pages.scores, pages.scores.stride(0), out, out.stride(0), scratch, scratch.stride(0), entries, TOPK,
         STAGE=stage, PREFETCH=prefetch, BLOCK=block, GROUP=group, BLOCK_G=block_g, CAND=cand,
-        COMPACT=min(block, 32 * indexer.COMPACT_PER_THREAD * warps), BITS=config.radix_bits, num_warps=warps)
+        COMPACT=min(block, 32 * per_thread * warps), BITS=config.radix_bits, num_warps=warps)
 
 
-def probe(batch: int, context: int) -> None:
+def probe(batch: int, context: int, compact_per_thread: list[int], no_stages: bool = False) -> None:
     pages = DecodePages(batch, context, 16)
     pages.index_scores()
     pages.top_k()
@@ -157,7 +158,7 @@ def probe(batch: int, context: int) -> None:
     out = torch.empty(batch, TOPK, dtype=torch.int32, device="cuda")
     tag = f"bs={batch} ctx={context // 1024}K"
     print(f"{tag:16s} production top_k_indices {1e3 * do_bench_cudagraph(pages.top_k):7.1f} us", flush=True)
-    for prefetch in (False, True):
+    for prefetch in () if no_stages else (False, True):
         for stage, name in enumerate(("read the row once", "+ group bound", "+ candidates", "+ top k (= all)")):
             run = lambda: run_stage(pages, out, scratch, stage, prefetch)  # noqa: E731
             run()
@@ -166,17 +167,34 @@ def probe(batch: int, context: int) -> None:
                 check = "  indices = production's" if torch.equal(out, want) else "  MISMATCH"
             print(f"{tag:16s} {'prefetch' if prefetch else 'as is':8s} {name:18s} "
                   f"{1e3 * do_bench_cudagraph(run):7.1f} us{check}", flush=True)
+    for per_thread in compact_per_thread:
+        compact_step(pages, out, scratch, want, tag, per_thread)
+
+
+def compact_step(pages, out, scratch, want, tag: str, per_thread: int) -> None:
+    """The whole path with `per_thread` scores a thread per compaction step (production: 8)."""
+    run = lambda: run_stage(pages, out, scratch, 3, False, per_thread)  # noqa: E731
+    try:
+        run()
+    except Exception as exc:  # e.g. a compiler crash at some sizes
+        print(f"{tag:16s} compact {per_thread:2d}/thread FAILED {type(exc).__name__}: {str(exc)[:100]}")
+        return
+    check = "indices = production's" if torch.equal(out, want) else "MISMATCH"
+    print(f"{tag:16s} compact {per_thread:2d}/thread   {1e3 * do_bench_cudagraph(run):7.1f} us  {check}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--compact-per-thread", type=int, nargs="*", default=[],
+                        help="also the whole path with these scores a thread per compaction step")
+    parser.add_argument("--no-stages", action="store_true", help="skip the stage-by-stage timings")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}; top-k config {indexer.TOP_K_CONFIG}; rate {CSA_RATE}")
     for context in args.contexts:
         for batch in args.batches:
-            probe(batch, context)
+            probe(batch, context, args.compact_per_thread, args.no_stages)
             torch.cuda.empty_cache()
 
 
