@@ -13,7 +13,9 @@ This probe times, on the scores of the real score kernel (random pages, `v4_kern
 floor of one pass), and the production kernel. Then the same stages with the next tile's loads
 issued before the current tile is processed ("prefetch"): Triton does not pipeline loads that
 feed no dot, so each tile's load otherwise waits out the L2's latency in turn. The prefetched
-full path is checked against the production kernel's indices (exact).
+full path is checked against the production kernel's indices (exact). The production kernel
+also runs with `TopKConfig.group_list` (compact from the groups whose maximum reaches the
+bound only), checked against its default's indices.
 
     python3 benchmarks/top_k_probe.py [--batches 64 256] [--contexts 32768 131072]
 
@@ -22,6 +24,7 @@ Times: triton.testing.do_bench_cudagraph medians (no launch gaps), us.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -158,6 +161,11 @@ def probe(batch: int, context: int, compact_per_thread: list[int], no_stages: bo
     out = torch.empty(batch, TOPK, dtype=torch.int32, device="cuda")
     tag = f"bs={batch} ctx={context // 1024}K"
     print(f"{tag:16s} production top_k_indices {1e3 * do_bench_cudagraph(pages.top_k):7.1f} us", flush=True)
+    listed = dataclasses.replace(indexer.TOP_K_CONFIG, group_list=True)
+    pages.top_k(listed)
+    check = "indices = the default's" if torch.equal(pages.indices, want) else "MISMATCH"
+    print(f"{tag:16s} production, group_list  {1e3 * do_bench_cudagraph(lambda: pages.top_k(listed)):7.1f} us  "
+          f"{check}", flush=True)
     for prefetch in () if no_stages else (False, True):
         for stage, name in enumerate(("read the row once", "+ group bound", "+ candidates", "+ top k (= all)")):
             run = lambda: run_stage(pages, out, scratch, stage, prefetch)  # noqa: E731

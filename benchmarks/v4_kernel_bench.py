@@ -247,7 +247,8 @@ def score_grid(quick: bool) -> list[ScoreConfig]:
 
 def top_k_grid(quick: bool) -> list[TopKConfig]:
     full = TopKConfig(radix_bits=4, num_warps=16, candidates=False)  # the default before the candidate shortcut
-    grid = [full, TopKConfig(radix_bits=4, max_tile=4096, num_warps=8), TopKConfig(radix_bits=4),
+    grid = [full, TopKConfig(radix_bits=4, max_tile=4096, num_warps=8),
+            TopKConfig(radix_bits=4, max_tile=4096, num_warps=8, group_list=True), TopKConfig(radix_bits=4),
             TopKConfig(radix_bits=4, num_warps=16), TopKConfig(), TopKConfig(radix_bits=4, num_warps=8),
             TopKConfig(radix_bits=4, num_warps=4), TopKConfig(radix_bits=4, max_tile=4096, num_warps=4),
             TopKConfig(radix_bits=4, groups_per_k=2), TopKConfig(radix_bits=4, groups_per_k=2, num_warps=8),

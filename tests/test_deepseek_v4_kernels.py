@@ -315,7 +315,8 @@ def check_top_k_candidates(device: str, k: int, positions: list[int], seed: int)
     """Rows long enough for the group-maxima shortcut: distinct scores (the
     candidates fit), rounded scores (ties inside the candidates), a row of one
     value (the candidates overflow: the full passes), and short rows (too few
-    groups), against top_k_mask, with and without the shortcut."""
+    groups), against top_k_mask, with and without the shortcut (compacting from
+    the whole row or from the listed groups)."""
     from kvserve.model.deepseek_v4 import kernels
     gen = torch.Generator().manual_seed(seed)
     case = PagedCase(v4_config("tiny", index_topk=k), [(p, 1) for p in positions], 16, torch.float32, device, gen)
@@ -325,9 +326,30 @@ def check_top_k_candidates(device: str, k: int, positions: list[int], seed: int)
     scores[2] = -0.0
     scores = scores.to(device)
     visible = ref.visible_entries(case.batch.positions, width, 4)
-    for candidates in (True, False):
+    for fields in ({"candidates": True}, {"group_list": True}, {"candidates": False}):
         out = torch.full((len(positions), k), 777, dtype=torch.int32, device=device)
-        kernels.top_k_indices(scores, case.batch, 4, k, out, top_k_config(candidates=candidates))
+        kernels.top_k_indices(scores, case.batch, 4, k, out, top_k_config(**fields))
+        check_top_k_rows(out, scores, visible, k)
+
+
+def check_top_k_spread_ties(device: str, k: int, position: int, **fields) -> None:
+    """One row: 1.5k groups each with one score tied at the k-th largest group maximum, then k/2
+    groups each with one higher score, lower scores elsewhere. The 2k groups listed for the
+    compaction take more than one step; the top k are the k/2 highest (the last step's) and the
+    earliest k/2 ties (the first step's). With and without the group list, against top_k_mask."""
+    from kvserve.model.deepseek_v4 import kernels
+    gen = torch.Generator().manual_seed(k)
+    case = PagedCase(v4_config("tiny", index_topk=k), [(position, 1)], 16, torch.float32, device, gen)
+    width = (position + 1) // 4
+    scores = torch.randn(1, width, generator=gen) - 10
+    spread = torch.linspace(0, width - 1, 2 * k).long()   # further apart than a group holds
+    scores[0, spread[:3 * k // 2]] = 5.0
+    scores[0, spread[3 * k // 2:]] = 6.0
+    scores = scores.to(device)
+    visible = ref.visible_entries(case.batch.positions, width, 4)
+    for group_list in (False, True):
+        out = torch.full((1, k), 777, dtype=torch.int32, device=device)
+        kernels.top_k_indices(scores, case.batch, 4, k, out, top_k_config(group_list=group_list, **fields))
         check_top_k_rows(out, scores, visible, k)
 
 
@@ -512,6 +534,7 @@ def interpreter_checks() -> None:
     check_top_k_ties(16, "cpu", 1)
     check_top_k_ties(16, "cpu", 2, top_k_config(radix_bits=4))
     check_top_k_candidates("cpu", 8, [1000, 900, 700, 90, 31, 300], 4)
+    check_top_k_spread_ties("cpu", 8, 16383, max_tile=1024, num_warps=4)   # 2 steps of 8 listed groups
     for num_splits in (2, 5):  # split-KV: the sink in split 0, empty splits merge as nothing
         err = check_attention(HCA, CPU_HCA128, 16, torch.float32, "cpu", num_splits, num_splits=num_splits,
                               hca_rate=128, block_n=16, sliding_window=64)
@@ -616,12 +639,13 @@ def test_kernels_compile_for_sm90():
             {"RATE": 4, "PAGE_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 64, "BLOCK_E": 64, "DOT_PRECISION": "tf32",
              "KEY_ROWS": key_rows}, 4, 3, ints, frozenset({"scale"}))
     top_k, warps = indexer.TOP_K_CONFIG, indexer.TOP_K_CONFIG.num_warps  # at 128K: 32K-score rows in tiles
-    for group, block_g, cand in ((0, 1, 1), (16, 2048, 2048)):
+    for group, block_g, cand, group_list in ((0, 1, 1, False), (16, 2048, 2048, False), (16, 2048, 2048, True)):
         compile_for_sm90(indexer._top_k_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "seq_idx_ptr": "*i32",
                                                  "pos_ptr": "*i64", "scratch_ptr": "*i32"},
                          {"RATE": 4, "BLOCK": top_k.max_tile, "BLOCK_K": 512, "BITS": top_k.radix_bits,
                           "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand,
-                          "COMPACT": min(top_k.max_tile, 32 * indexer.COMPACT_PER_THREAD * warps)}, warps)
+                          "COMPACT": min(top_k.max_tile, 32 * indexer.COMPACT_PER_THREAD * warps),
+                          "GROUP_LIST": group_list}, warps)
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {
             "state_table": "*i32", "entry_table": "*i32", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "cos_ptr": "*bf16",
@@ -696,10 +720,12 @@ def test_top_k_ties_gpu():
     check_top_k_ties(16, "cuda", 0)
     check_top_k_ties(16, "cuda", 1, top_k_config(radix_bits=4))
     check_top_k_candidates("cuda", 512, [131071, 70000, 65536, 9000, 32768, 2047], 6)
+    check_top_k_spread_ties("cuda", 512, 131071)   # 8 steps of 128 listed groups
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [{"max_tile": 1024}, {"radix_bits": 4}, {"radix_bits": 4, "num_warps": 4}])
+@pytest.mark.parametrize("fields", [{"max_tile": 1024}, {"radix_bits": 4}, {"radix_bits": 4, "num_warps": 4},
+                                    {"radix_bits": 4, "group_list": True}])
 def test_top_k_configs_gpu(fields):
     """Rows of several tiles (re-read each pass) and 4-bit passes against top_k_mask."""
     from kvserve.model.deepseek_v4 import kernels

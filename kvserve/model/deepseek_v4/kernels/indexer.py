@@ -20,6 +20,10 @@ distinct entries, so T >= the k-th largest maximum L). Entries >= L are few
 them, in entry order, into a buffer of `groups_per_k` x k and the radix passes run on that
 tile in registers: two passes over the row instead of one per radix digit.
 A row whose candidates overflow the buffer (heavy ties) takes the full passes.
+The compaction is most of the shortcut's time (a prefix sum per step of the row;
+`benchmarks/top_k_probe.py`). With `TopKConfig.group_list` it first lists the
+groups whose maximum reaches L, in order, and reads only those: no other entry
+can reach L, so the candidates are the same.
 """
 from __future__ import annotations
 
@@ -60,6 +64,9 @@ class TopKConfig:
     num_warps: int | None = None  # None: a warp per 1,024 scores of the tile, 4 to 16
     candidates: bool = True  # rows of >= 8k entries: bound T by group maxima, radix over the candidates
     groups_per_k: int = 4    # the shortcut's group maxima (and candidate buffer): this many times k
+    # Compact from the groups whose maximum reaches the bound only (about k of groups_per_k x k),
+    # not the whole row. Off until measured on a GPU.
+    group_list: bool = False
 
     def __post_init__(self) -> None:
         if self.radix_bits not in (2, 4, 8) or self.max_tile < 1024 or self.max_tile & (self.max_tile - 1) or \
@@ -227,6 +234,18 @@ def _group_bound(score_row, max_row, num_entries, num_groups, k, BLOCK: tl.const
 
 
 @triton.jit
+def _append_candidates(key, valid, entries, bound, count, cand_key_row, cand_idx_row, CAND: tl.constexpr):
+    """Append the keys >= bound of one step (and their entries) at slot `count` on, in order,
+    stopping at CAND stored; returns the new count (more than CAND: not all stored)."""
+    is_cand = valid & (key >= bound)
+    slot = count + tl.cumsum(is_cand.to(tl.int32), 0) - 1
+    keep = is_cand & (slot < CAND)
+    tl.store(cand_key_row + slot, key.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(cand_idx_row + slot, entries.to(tl.int32), mask=keep)
+    return count + tl.sum(is_cand.to(tl.int32), 0)
+
+
+@triton.jit
 def _compact_candidates(score_row, cand_key_row, cand_idx_row, num_entries, bound, BLOCK: tl.constexpr,
                         CAND: tl.constexpr):
     """Store the entries whose keys are >= bound, in entry order (at most CAND
@@ -234,12 +253,53 @@ def _compact_candidates(score_row, cand_key_row, cand_idx_row, num_entries, boun
     count = tl.zeros([], tl.int32)
     for e0 in range(0, num_entries, BLOCK):
         key, valid = _row_keys(score_row, e0, num_entries, BLOCK)
-        is_cand = valid & (key >= bound)
-        slot = count + tl.cumsum(is_cand.to(tl.int32), 0) - 1
-        keep = is_cand & (slot < CAND)
-        tl.store(cand_key_row + slot, key.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(cand_idx_row + slot, (e0 + tl.arange(0, BLOCK)).to(tl.int32), mask=keep)
-        count += tl.sum(is_cand.to(tl.int32), 0)
+        count = _append_candidates(key, valid, e0 + tl.arange(0, BLOCK), bound, count, cand_key_row, cand_idx_row,
+                                   CAND)
+    return count
+
+
+@triton.jit
+def _bound_groups(max_row, num_groups, bound, BLOCK_G: tl.constexpr):
+    """The groups whose maximum is >= bound, the only ones holding candidates: their ids, in
+    order, written over the maxima at max_row; returns how many."""
+    g = tl.arange(0, BLOCK_G)
+    maxima = tl.load(max_row + g, mask=g < num_groups, other=0).to(tl.uint32, bitcast=True)
+    hit = (g < num_groups) & (maxima >= bound)
+    slot = tl.cumsum(hit.to(tl.int32), 0) - 1
+    tl.debug_barrier()  # every thread has read its maxima before ids overwrite them
+    tl.store(max_row + slot, g, mask=hit)
+    tl.debug_barrier()  # the ids are read back by other threads
+    return tl.sum(hit.to(tl.int32), 0)
+
+
+@triton.jit
+def _compact_groups(score_row, group_row, num_hit, cand_key_row, cand_idx_row, num_entries, bound,
+                    GROUP: tl.constexpr, STEP_GROUPS: tl.constexpr, CAND: tl.constexpr):
+    """`_compact_candidates` over the `num_hit` groups listed at group_row (`_bound_groups`) only:
+    about k groups of the row's groups_per_k x k, so a quarter of the steps."""
+    count = tl.zeros([], tl.int32)
+    for s0 in range(0, num_hit, STEP_GROUPS):
+        s = s0 + tl.arange(0, STEP_GROUPS)
+        group = tl.load(group_row + s, mask=s < num_hit, other=-1)   # -1: e < 0, not valid
+        e = tl.reshape(group[:, None] * GROUP + tl.arange(0, GROUP)[None, :], [STEP_GROUPS * GROUP])
+        valid = (e >= 0) & (e < num_entries)
+        key = _sortable(tl.load(score_row + e, mask=valid, other=0.0))
+        count = _append_candidates(key, valid, e, bound, count, cand_key_row, cand_idx_row, CAND)
+    return count
+
+
+@triton.jit
+def _candidates(score_row, scratch_row, num_entries, num_groups, bound, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                CAND: tl.constexpr, COMPACT: tl.constexpr, GROUP_LIST: tl.constexpr):
+    """The shortcut's candidates, stored after the group maxima in scratch_row; how many."""
+    if GROUP_LIST:  # a step of the compaction: COMPACT entries, at least one group
+        STEP_GROUPS: tl.constexpr = (COMPACT + GROUP - 1) // GROUP
+        num_hit = _bound_groups(scratch_row, num_groups, bound, BLOCK_G)
+        count = _compact_groups(score_row, scratch_row, num_hit, scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND,
+                                num_entries, bound, GROUP, STEP_GROUPS, CAND)
+    else:
+        count = _compact_candidates(score_row, scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND, num_entries,
+                                    bound, COMPACT, CAND)
     return count
 
 
@@ -274,7 +334,7 @@ def _top_k_full(score_row, out_row, num_entries, k, BLOCK: tl.constexpr, BITS: t
 def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_ptr, k, scratch_ptr, stride_scratch,
                   RATE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
                   ONE_TILE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAND: tl.constexpr,
-                  COMPACT: tl.constexpr):
+                  COMPACT: tl.constexpr, GROUP_LIST: tl.constexpr):
     t = tl.program_id(0)
     seq = tl.load(seq_idx_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int32)
@@ -292,8 +352,8 @@ def _top_k_kernel(scores_ptr, stride_st, out_ptr, stride_ot, seq_idx_ptr, pos_pt
         if num_groups >= k:
             scratch_row = scratch_ptr + t.to(tl.int64) * stride_scratch
             bound = _group_bound(score_row, scratch_row, num_entries, num_groups, k, BLOCK, GROUP, BLOCK_G, BITS)
-            count = _compact_candidates(score_row, scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND,
-                                        num_entries, bound, COMPACT, CAND)
+            count = _candidates(score_row, scratch_row, num_entries, num_groups, bound, GROUP, BLOCK_G, CAND,
+                                COMPACT, GROUP_LIST)
             full = count > CAND
             if count <= CAND:
                 _top_k_of_candidates(scratch_row + BLOCK_G, scratch_row + BLOCK_G + CAND, out_row, count, k,
@@ -379,7 +439,7 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
         scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, scratch, scratch.stride(0),
         RATE=rate, BLOCK=block, BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits,
         ONE_TILE=block >= max_entries, GROUP=group, BLOCK_G=block_g, CAND=cand,
-        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), num_warps=num_warps)
+        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), GROUP_LIST=config.group_list, num_warps=num_warps)
     return out
 
 
