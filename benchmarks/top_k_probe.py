@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from v4_kernel_bench import CSA_RATE, TOPK, DecodePages  # noqa: E402
 
 from kvserve.model.deepseek_v4.kernels import indexer  # noqa: E402
-from kvserve.model.deepseek_v4.kernels.indexer import (_compact_candidates, _group_bound, _radix_tile,  # noqa: E402
-                                                       _sortable, _top_k_of_candidates)
+from kvserve.model.deepseek_v4.kernels.indexer import (_append_candidates, _compact_candidates,  # noqa: E402
+                                                       _group_bound, _radix_tile, _sortable, _tile_and_warps,
+                                                       _top_k_of_candidates, _compact_step)
 
 
 @triton.jit
@@ -92,14 +93,8 @@ def _compact_pf(score_row, cand_key_row, cand_idx_row, num_entries, bound, BLOCK
         e = e0 + BLOCK + tl.arange(0, BLOCK)
         nxt = tl.load(score_row + e, mask=e < num_entries, other=0.0)
         here = e0 + tl.arange(0, BLOCK)
-        valid = here < num_entries
-        key = _sortable(score)
-        is_cand = valid & (key >= bound)
-        slot = count + tl.cumsum(is_cand.to(tl.int32), 0) - 1
-        keep = is_cand & (slot < CAND)
-        tl.store(cand_key_row + slot, key.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(cand_idx_row + slot, here.to(tl.int32), mask=keep)
-        count += tl.sum(is_cand.to(tl.int32), 0)
+        count = _append_candidates(_sortable(score), here < num_entries, here, bound, count, cand_key_row,
+                                   cand_idx_row, CAND)
     return count
 
 
@@ -141,13 +136,12 @@ def run_stage(pages: DecodePages, out: torch.Tensor, scratch: torch.Tensor, stag
               per_thread: int = indexer.COMPACT_PER_THREAD) -> None:
     config = indexer.TOP_K_CONFIG
     entries = pages.scores.shape[1]
-    block = indexer._tile(entries, config)
-    warps = config.num_warps or max(4, min(16, block // 1024))
+    block, warps = _tile_and_warps(entries, config)
     group, block_g, cand = indexer._shortcut_plan(entries, TOPK, config)
     _stage_kernel[(pages.scores.shape[0],)](
         pages.scores, pages.scores.stride(0), out, out.stride(0), scratch, scratch.stride(0), entries, TOPK,
         STAGE=stage, PREFETCH=prefetch, BLOCK=block, GROUP=group, BLOCK_G=block_g, CAND=cand,
-        COMPACT=min(block, 32 * per_thread * warps), BITS=config.radix_bits, num_warps=warps)
+        COMPACT=_compact_step(block, warps, per_thread), BITS=config.radix_bits, num_warps=warps)
 
 
 def probe(batch: int, context: int, compact_per_thread: list[int], no_stages: bool = False) -> None:
@@ -176,10 +170,10 @@ def probe(batch: int, context: int, compact_per_thread: list[int], no_stages: bo
             print(f"{tag:16s} {'prefetch' if prefetch else 'as is':8s} {name:18s} "
                   f"{1e3 * do_bench_cudagraph(run):7.1f} us{check}", flush=True)
     for per_thread in compact_per_thread:
-        compact_step(pages, out, scratch, want, tag, per_thread)
+        time_compact_step(pages, out, scratch, want, tag, per_thread)
 
 
-def compact_step(pages, out, scratch, want, tag: str, per_thread: int) -> None:
+def time_compact_step(pages, out, scratch, want, tag: str, per_thread: int) -> None:
     """The whole path with `per_thread` scores a thread per compaction step (production: 8)."""
     run = lambda: run_stage(pages, out, scratch, 3, False, per_thread)  # noqa: E731
     try:

@@ -644,7 +644,7 @@ def test_kernels_compile_for_sm90():
                                                  "pos_ptr": "*i64", "scratch_ptr": "*i32"},
                          {"RATE": 4, "BLOCK": top_k.max_tile, "BLOCK_K": 512, "BITS": top_k.radix_bits,
                           "ONE_TILE": False, "GROUP": group, "BLOCK_G": block_g, "CAND": cand,
-                          "COMPACT": min(top_k.max_tile, 32 * indexer.COMPACT_PER_THREAD * warps),
+                          "COMPACT": indexer._compact_step(top_k.max_tile, warps),
                           "GROUP_LIST": group_list}, warps)
     for rate, overlap in ((4, True), (128, False)):
         compile_for_sm90(compressor._compress_kernel, common | {

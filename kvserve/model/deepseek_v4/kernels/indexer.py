@@ -409,6 +409,17 @@ def _tile(max_entries: int, config: TopKConfig) -> int:
     return min(config.max_tile, max(1024, triton.next_power_of_2(max_entries)))
 
 
+def _tile_and_warps(max_entries: int, config: TopKConfig) -> tuple[int, int]:
+    """A launch's tile and warps (unless the config sets them: a warp per 1,024 scores, 4 to 16)."""
+    block = _tile(max_entries, config)
+    return block, config.num_warps or max(4, min(16, block // 1024))
+
+
+def _compact_step(block: int, num_warps: int, per_thread: int = COMPACT_PER_THREAD) -> int:
+    """Scores a compaction step of the shortcut takes: `per_thread` a thread, at most a tile."""
+    return min(block, 32 * per_thread * num_warps)
+
+
 def _shortcut_plan(max_entries: int, k: int, config: TopKConfig) -> tuple[int, int, int]:
     """The top-k shortcut's group size, group maxima and candidates per row (all 0: not taken)."""
     group = _candidate_group(max_entries, k, _tile(max_entries, config), config.groups_per_k) \
@@ -429,8 +440,7 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
         return out
     config = config if config is not None else TOP_K_CONFIG
     max_entries = max(1, batch.max_seq_len // rate)
-    block = _tile(max_entries, config)
-    num_warps = config.num_warps or max(4, min(16, block // 1024))
+    block, num_warps = _tile_and_warps(max_entries, config)
     group, block_g, cand = _shortcut_plan(max_entries, k, config)
     block_g, cand = max(block_g, 1), max(cand, 1)
     scratch = torch.empty(batch.num_tokens if group else 1, block_g + 2 * cand, dtype=torch.int32,
@@ -439,7 +449,7 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
         scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, scratch, scratch.stride(0),
         RATE=rate, BLOCK=block, BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits,
         ONE_TILE=block >= max_entries, GROUP=group, BLOCK_G=block_g, CAND=cand,
-        COMPACT=min(block, 32 * COMPACT_PER_THREAD * num_warps), GROUP_LIST=config.group_list, num_warps=num_warps)
+        COMPACT=_compact_step(block, num_warps), GROUP_LIST=config.group_list, num_warps=num_warps)
     return out
 
 
