@@ -47,6 +47,7 @@ from kvserve.bench.kernels import copy_bandwidth_gbs  # noqa: E402
 from kvserve.cache.v4_specs import V4KVLayout  # noqa: E402
 from kvserve.model.deepseek_v4 import kernels  # noqa: E402
 from kvserve.model.deepseek_v4.kernels import PageRef, SparseAttentionConfig, V4PagedBatch  # noqa: E402
+from kvserve.model.deepseek_v4.kernels import indexer  # noqa: E402
 from kvserve.model.deepseek_v4.kernels.indexer import ScoreConfig, TopKConfig  # noqa: E402
 from kvserve.model.deepseek_v4.kernels.sparse_attention import GLUON_CONFIG  # noqa: E402
 
@@ -460,15 +461,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--path-only", action="store_true",
                         help="each shape's default kernels (checked) and default path alone (as launched and as a "
                              "CUDA graph's replay): no config grids")
+    parser.add_argument("--top-k-group-list", action="store_true",
+                        help="run the top-k with TopKConfig.group_list (compact from the listed groups only)")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--prefill-context", type=int, default=32768)
     args = parser.parse_args(argv)
+    if args.top_k_group_list:  # the kernels read the module's default at each call
+        indexer.TOP_K_CONFIG = replace(indexer.TOP_K_CONFIG, group_list=True)
     batches = args.batches or ([64, 256] if args.quick else [1, 64, 256])
     contexts = args.contexts or ([32768] if args.quick else [4096, 32768, 131072])
     torch.manual_seed(0)
     started = time.time()
     copy_gbs = copy_bandwidth_gbs()
-    print(f"device: {torch.cuda.get_device_name()}\ncopy bandwidth (D2D, read+write): {copy_gbs:.0f} GB/s")
+    print(f"device: {torch.cuda.get_device_name()}; top-k config {indexer.TOP_K_CONFIG}")
+    print(f"copy bandwidth (D2D, read+write): {copy_gbs:.0f} GB/s")
     print("columns: shape, kernel, median us, GB/s over the kernel's minimum bytes (top-k: none), % of copy, config")
     rows = []
     for context in contexts:
