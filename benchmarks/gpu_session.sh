@@ -11,7 +11,8 @@
 #         the Gluon sparse decode probe's variants.
 #   topk: the top-k's GPU tests (the group list included), then top_k_probe.py: the production
 #         kernel with and without `group_list`, and at 8 and 16 scores a thread per compaction step;
-#         then the V4 decode path (v4_kernel_bench.py --path-only) without and with `group_list`.
+#         then the V4 decode path (v4_kernel_bench.py --path-only) without and with `group_list`, then
+#         the rest of the V4 GPU set at the tree's defaults.
 #   hostab BASE: host_step_ab.py against BASE's package carried as .base.tar (`git archive BASE kvserve
 #         > .base.tar`), steady and with one finish a step.
 set -u
@@ -67,8 +68,10 @@ if [ "$what" = topk ]; then
   timeout 150 python3 -m pytest -q -m gpu tests/test_deepseek_v4_kernels.py -k top_k 2>&1 | tail -3 | tee "$OUT/topk_tests.txt"
   timeout 150 python3 benchmarks/top_k_probe.py --no-stages --compact-per-thread 8 16 2>&1 | grep -v -i warn \
     | tee "$OUT/top_k_probe.txt"
-  for flag in "" --top-k-group-list; do
+  for on_off in off on; do
     timeout 120 python3 benchmarks/v4_kernel_bench.py --no-extras --path-only --contexts 32768 131072 --batches 64 256 \
-      $flag 2>&1 | tee -a "$OUT/v4_path.txt" | grep -v "^| bs=\|^|---\|^| shape" | tail -24
+      --top-k-group-list $on_off 2>&1 | tee -a "$OUT/v4_path.txt" | grep -v "^| bs=\|^|---\|^| shape" | tail -24
   done
+  timeout 280 python3 -m pytest -q -m gpu tests/test_deepseek_v4_graphs.py tests/test_deepseek_v4_gpu.py \
+    tests/test_v4_sparse_gluon.py tests/test_deepseek_v4_kernels.py -k "not top_k" 2>&1 | tail -3 | tee "$OUT/v4_tests.txt"
 fi

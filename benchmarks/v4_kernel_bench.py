@@ -461,13 +461,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--path-only", action="store_true",
                         help="each shape's default kernels (checked) and default path alone (as launched and as a "
                              "CUDA graph's replay): no config grids")
-    parser.add_argument("--top-k-group-list", action="store_true",
-                        help="run the top-k with TopKConfig.group_list (compact from the listed groups only)")
+    parser.add_argument("--top-k-group-list", choices=("on", "off"), default=None,
+                        help="the top-k's TopKConfig.group_list (compact from the listed groups only); default: "
+                             "TOP_K_CONFIG's")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--prefill-context", type=int, default=32768)
     args = parser.parse_args(argv)
     if args.top_k_group_list:  # the kernels read the module's default at each call
-        indexer.TOP_K_CONFIG = replace(indexer.TOP_K_CONFIG, group_list=True)
+        indexer.TOP_K_CONFIG = replace(indexer.TOP_K_CONFIG, group_list=args.top_k_group_list == "on")
     batches = args.batches or ([64, 256] if args.quick else [1, 64, 256])
     contexts = args.contexts or ([32768] if args.quick else [4096, 32768, 131072])
     torch.manual_seed(0)

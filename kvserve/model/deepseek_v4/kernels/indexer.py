@@ -21,7 +21,7 @@ them, in entry order, into a buffer of `groups_per_k` x k and the radix passes r
 tile in registers: two passes over the row instead of one per radix digit.
 A row whose candidates overflow the buffer (heavy ties) takes the full passes.
 The compaction is most of the shortcut's time (a prefix sum per step of the row;
-`benchmarks/top_k_probe.py`). With `TopKConfig.group_list` it first lists the
+`benchmarks/top_k_probe.py`). With `TopKConfig.group_list` (TOP_K_CONFIG's) it first lists the
 groups whose maximum reaches L, in order, and reads only those: no other entry
 can reach L, so the candidates are the same.
 """
@@ -65,7 +65,7 @@ class TopKConfig:
     candidates: bool = True  # rows of >= 8k entries: bound T by group maxima, radix over the candidates
     groups_per_k: int = 4    # the shortcut's group maxima (and candidate buffer): this many times k
     # Compact from the groups whose maximum reaches the bound only (about k of groups_per_k x k),
-    # not the whole row. Off until measured on a GPU.
+    # not the whole row: 74 -> 41 us at 256 x 128K on an H100 (docs/BENCHMARKS.md); TOP_K_CONFIG's.
     group_list: bool = False
 
     def __post_init__(self) -> None:
@@ -78,7 +78,8 @@ class TopKConfig:
 # The configs the kernels run when the caller passes none (edit from
 # benchmarks/v4_kernel_bench.py's "best config" table).
 SCORE_CONFIG = ScoreConfig()
-TOP_K_CONFIG = TopKConfig(radix_bits=4, max_tile=4096, num_warps=8)  # the H200 bench's best at 256 x 128K
+# radix/tile/warps: the H200 bench's best at 256 x 128K; group_list: measured on an H100 (2026-12-05)
+TOP_K_CONFIG = TopKConfig(radix_bits=4, max_tile=4096, num_warps=8, group_list=True)
 
 
 @triton.jit(do_not_specialize=["stride_table"])
