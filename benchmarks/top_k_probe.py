@@ -15,7 +15,8 @@ issued before the current tile is processed ("prefetch"): Triton does not pipeli
 feed no dot, so each tile's load otherwise waits out the L2's latency in turn. The prefetched
 full path is checked against the production kernel's indices (exact). The production kernel
 runs without and with `TopKConfig.group_list` (compact from the groups whose maximum reaches
-the bound only), the second checked against the first's indices.
+the bound only; `TOP_K_CONFIG` has it), the second checked against the first's indices. The
+staged programs compact from the whole row.
 
     python3 benchmarks/top_k_probe.py [--batches 64 256] [--contexts 32768 131072]
 
@@ -155,12 +156,12 @@ def probe(batch: int, context: int, compact_per_thread: list[int], no_stages: bo
     plain = dataclasses.replace(indexer.TOP_K_CONFIG, group_list=False)
     pages.top_k(plain)
     want = pages.indices.clone()
-    print(f"{tag:16s} production top_k_indices {1e3 * do_bench_cudagraph(lambda: pages.top_k(plain)):7.1f} us",
+    print(f"{tag:16s} top_k_indices, whole row {1e3 * do_bench_cudagraph(lambda: pages.top_k(plain)):7.1f} us",
           flush=True)
     listed = dataclasses.replace(indexer.TOP_K_CONFIG, group_list=True)
     pages.top_k(listed)
-    check = "indices = the default's" if torch.equal(pages.indices, want) else "MISMATCH"
-    print(f"{tag:16s} production, group_list  {1e3 * do_bench_cudagraph(lambda: pages.top_k(listed)):7.1f} us  "
+    check = "indices = the whole row's" if torch.equal(pages.indices, want) else "MISMATCH"
+    print(f"{tag:16s} top_k_indices, group_list {1e3 * do_bench_cudagraph(lambda: pages.top_k(listed)):7.1f} us  "
           f"{check}", flush=True)
     for prefetch in () if no_stages else (False, True):
         for stage, name in enumerate(("read the row once", "+ group bound", "+ candidates", "+ top k (= all)")):

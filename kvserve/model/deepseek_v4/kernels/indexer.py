@@ -78,7 +78,7 @@ class TopKConfig:
 # The configs the kernels run when the caller passes none (edit from
 # benchmarks/v4_kernel_bench.py's "best config" table).
 SCORE_CONFIG = ScoreConfig()
-# radix/tile/warps: the H200 bench's best at 256 x 128K; group_list: measured on an H100 (2026-12-05)
+# radix/tile/warps: the H200 bench's best at 256 x 128K; group_list: measured on an H100 and an H200 (2026-12-05)
 TOP_K_CONFIG = TopKConfig(radix_bits=4, max_tile=4096, num_warps=8, group_list=True)
 
 
