@@ -47,13 +47,13 @@ def engine(name: str, model_dir: str):
             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False))
 
 
-def report(prof, name: str, tokens: int, wall: float) -> list[str]:
+def report(prof, name: str, tokens: int, wall: float, what: str = "burst prefill") -> list[str]:
     rows = kernel_rows(prof, on_gpu=torch.cuda.is_available())
     kinds: dict[str, float] = {}
     for r in rows:
         kind = kernel_kind(r["name"], KINDS)
         kinds[kind] = kinds.get(kind, 0.0) + r["us"] / 1e3
-    lines = [f"{name} burst prefill: {tokens:,} prompt tokens, wall {wall * 1e3:.0f} ms (profiler on), "
+    lines = [f"{name} {what}: {tokens:,} prompt tokens, wall {wall * 1e3:.0f} ms (profiler on), "
              f"{'device kernels' if torch.cuda.is_available() else 'CPU ops'} {sum(kinds.values()):.0f} ms",
              "  " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))]
     for r in sorted(rows, key=lambda r: -r["us"])[:20]:

@@ -59,6 +59,11 @@
 #   stage 15 carry [".srv", ".dummy-qwen3-8b"]:       work-list decode (kernels/decode_work.py): its GPU tests, its
 #                                                     probe against even splits, then kvserve served at 30 and 60
 #                                                     with KVSERVE_DECODE_WORK=0 and =1 (WORK="1" for one side)
+#   stage 16 carry [".vp2b", ".dummy-qwen3-8b"], then [".vp3"]: one offline scenario profiled kernel by kernel
+#                                                     (scenario_profile.py; SCENARIO, default ide-completion@0) in
+#                                                     ENGINE (kvserve or vllm). The first call unpacks vLLM's stream
+#                                                     and keeps the model directory in .vsite/model: .vp3 with the
+#                                                     tree leaves no room for it; the second installs .vp3's wheels
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -71,7 +76,7 @@
 # kvserve's server writes its step trace to $OUT/steps_kvserve.tsv (kvserve/engine/step_trace.py).
 # Afterwards, here: python benchmarks/plot_serve_load.py RESULTS ide-completion docs/serve_load_ide.png
 #   and python benchmarks/offline_scenarios.py --compare RESULTS/offline_kvserve.json RESULTS/offline_vllm.json
-# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|15 ["WORKLOAD:RATE[:N] ..."]
+# Usage (GPU machine, repo root): bash benchmarks/vllm_compare.sh 1|...|16 ["WORKLOAD:RATE[:N] ..."]
 set -u
 stage=${1:?stage}
 runs=${2:-"ide-completion:30 ide-completion:60 mixed:60:256 ide-completion:10:256 ide-completion:20:256 \
@@ -101,6 +106,13 @@ keep_profile() {  # the profile window's trace comes back with the call: the mac
   [ -n "${PROFILE_SECONDS:-}" ] && tar -czf "$OUT/prof_$1.tgz" -C "$PROFILE_DIR" "prof_$1" || true
 }
 case $stage in
+  16)  # one offline scenario, kernel by kernel, in ENGINE (a call per engine: kvserve's carries .vp2b and the model)
+    [ -d .dummy-qwen3-8b ] && { mkdir -p .vsite && rm -rf .vsite/model && cp -r .dummy-qwen3-8b .vsite/model; }
+    [ -d .vp2b ] && [ ! -d .vsite/vllm ] && unpack
+    [ -d .vp3 ] && python3 -m pip install -q --no-index --no-deps --no-compile --target .vsite .vp3/*.whl
+    PYTHONPATH=$PWD:$PWD/.vsite timeout ${PROFILE_LIMIT:-420} python3 benchmarks/scenario_profile.py --engine "${ENGINE:?}" \
+      --model-dir "$PWD/.vsite/model" --scenario "${SCENARIO:-ide-completion@0}" 2>&1 \
+      | grep -E "^(kvserve|vllm)|^  |^device|Error" | tail -45 | tee "$OUT/scenario_$ENGINE.txt" ;;
   1)
     TEST_SECONDS=${TEST_SECONDS:-240} gpu_tests "tests/test_gpu_engine.py tests/test_mixed_graphs.py \
       tests/test_prompt_logprobs.py tests/test_batch_tables.py tests/test_fused_ops.py tests/test_decode_work.py" \
