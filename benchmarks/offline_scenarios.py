@@ -42,9 +42,12 @@ def scenario_requests(name: str, count: int, model_dir: str, seed: int = 0) -> l
     return token_id_prompts(WorkloadGenerator(seed=seed).generate(name, count), model_dir)
 
 
-def kvserve_runner(model_dir: str, step_trace: str | None = None) -> Callable[[list[WorkloadRequest]], int]:
+def kvserve_runner(model_dir: str, step_trace: str | None = None,
+                   dummy_init: str = "kvserve") -> Callable[[list[WorkloadRequest]], int]:
     from kvserve import LLM, SamplingParams
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
+    if dummy_init == "vllm":
+        fill_like_vllm(llm.engine.runner.model)
     if step_trace:
         atexit.register(trace_steps(llm.engine, step_trace).close)
 
@@ -53,6 +56,17 @@ def kvserve_runner(model_dir: str, step_trace: str | None = None) -> Callable[[l
         outs = llm.generate([{"prompt_token_ids": r.prompt} for r in batch], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
     return run
+
+
+def fill_like_vllm(model) -> None:
+    """Every parameter Uniform(-1e-3, 1e-3), as vLLM's `initialize_dummy_weights` fills its dummy
+    model (norm weights included), in place: the captured graphs keep reading the same memory.
+    A compute-bound GEMM's clock depends on the values it multiplies (benchmarks/gemm_data_probe.py),
+    so the engines' times compare on the same data only."""
+    import torch
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-1e-3, 1e-3)
 
 
 def trace_steps(engine, path: str):
@@ -100,7 +114,8 @@ def time_scenario(run: Callable[[list[WorkloadRequest]], int], requests: list[Wo
 
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
-    run = kvserve_runner(a.model_dir, a.step_trace) if a.engine == "kvserve" else vllm_runner(a.model_dir)
+    run = (kvserve_runner(a.model_dir, a.step_trace, a.dummy_init) if a.engine == "kvserve"
+           else vllm_runner(a.model_dir))
     warm = scenario_requests("qa", 1, a.model_dir)
     run(warm)
     results = {}
@@ -163,6 +178,9 @@ def main() -> None:
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="kvserve: one line a step (kvserve/engine/step_trace.py's columns; "
                         "python -m kvserve.engine.step_trace FILE --segments reads it)")
+    p.add_argument("--dummy-init", choices=["kvserve", "vllm"], default="kvserve",
+                   help="kvserve's dummy weights: its own Normal(0, 0.02), or vLLM's Uniform(-1e-3, 1e-3) "
+                        "(fill_like_vllm); vLLM always runs its own")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
     a = p.parse_args()
     if a.compare:
