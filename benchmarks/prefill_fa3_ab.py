@@ -1,0 +1,68 @@
+"""A large eager step's attention: kvserve's kernels (`mixed_attention`, as the backend calls it for
+a step of its own K/V) against FlashAttention 3 as vLLM 0.26.0 calls it (`flash_attn_varlen_func`
+over the paged cache, one launch for prompt and decode rows alike), on the same cache and inputs.
+
+Profiled kernel by kernel (`scenario_profile.py`, ide-completion, one H100), the prefill steps'
+attention was the one place kvserve's kernels took clearly longer than vLLM's: 235.6 ms (the Gluon
+prefill kernel's 190.6 plus the decode kernel's 45.1 for the steps' one-query rows) against FA3's
+146.3. The steps here are that scenario's shapes (~200-token chunks after ~700-token cached file
+prefixes, whole ~900-token prompts, decode rows beside them) and a few of `tma_kernel_ab.py`'s.
+Qwen3-8B heads (32 / 8, 128), bf16, block size 16. Each row prints both times
+(do_bench_cudagraph), kvserve's over FA3's, and the outputs' relative difference.
+
+    PYTHONPATH=$PWD:$PWD/.vsite python3 benchmarks/prefill_fa3_ab.py    # vLLM's site (.vsite) holds FA3
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.kernels.mixed import mixed_attention, short_chunk_bound
+from prefill_headroom import HEAD_DIM
+from tma_kernel_ab import step_inputs, timed_us
+
+DECODES = [(899, 1)] * 128   # one-query rows at ~900 keys, as the scenario's decodes beside its prefill
+STEPS = {"9 x 900": [(0, 900)] * 9, "40 x 200 after 700": [(700, 200)] * 40,
+         "40 x 200 after 700 + 128 decodes": [(700, 200)] * 40 + DECODES,
+         "20 x 200 after 700 + 4 x 900 + 128 decodes": [(700, 200)] * 20 + [(0, 900)] * 4 + DECODES,
+         "32 x 64 after 700": [(700, 64)] * 32, "8 x 1024": [(0, 1024)] * 8, "1 x 8192": [(0, 8192)],
+         "4 x 512 after 1504": [(1504, 512)] * 4}
+
+
+def fa3():
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+def compare(label: str, rows: list[tuple[int, int]], flash) -> None:
+    torch.manual_seed(0)
+    q, k, v, cache, table, starts, lens, top = step_inputs(rows)
+    prefixes = any(p for p, n in rows if n > 1)
+    scale, longest = HEAD_DIM ** -0.5, int(lens.max())
+    outs = [torch.full_like(q, float("nan")) for _ in range(2)]
+    paged_below = short_chunk_bound(q, cache, prefixes)
+    runs = [lambda: mixed_attention(q, cache, outs[0], table, starts, lens, top, longest, scale, None, 0,
+                                    fresh_kv=(k, v), cached_prefixes=prefixes, paged_below=paged_below),
+            lambda: flash(q, cache[0], cache[1], max_seqlen_q=top, cu_seqlens_q=starts, max_seqlen_k=longest,
+                          seqused_k=lens, softmax_scale=scale, causal=True, block_table=table, out=outs[1],
+                          fa_version=3)]
+    for run in runs:
+        run()
+    ref = outs[1].float()
+    diff = ((outs[0].float() - ref).norm() / ref.norm()).item()
+    us = [timed_us(run) for run in runs]
+    print(f"{label:<44} kvserve {us[0]:7.1f} us  FA3 {us[1]:7.1f} us  kvserve/FA3 {us[0] / us[1]:.3f}  "
+          f"rel diff {diff:.1e}", flush=True)
+
+
+def main() -> None:
+    print(f"device: {torch.cuda.get_device_name()}")
+    flash = fa3()
+    for label, rows in STEPS.items():
+        try:
+            compare(label, rows, flash)
+        except Exception as e:  # noqa: BLE001 - a shape that fails is a row
+            print(f"{label:<44} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
