@@ -31,7 +31,8 @@ PRODUCTION = "triton TMA kernel"
 TOLERANCE = 2e-2   # relative error to float32; bf16 P and output land near 4e-3
 
 
-def compile_variant(config: GluonPrefillConfig, group: int = GROUP, page: int = 16, has_prefix: bool = False):
+def compile_variant(config: GluonPrefillConfig, group: int = GROUP, page: int = 16, has_prefix: bool = False,
+                    listed: bool = True):
     """The production kernel for sm_90, without a GPU, as a launch would specialize it."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -42,10 +43,11 @@ def compile_variant(config: GluonPrefillConfig, group: int = GROUP, page: int = 
                    for rows in (config.block_n, page))
     signature = {"q_ptr": "*bf16", "k_desc": tile, "v_desc": tile, "kc_desc": pages, "vc_desc": pages,
                  "out_ptr": "*bf16", "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "qk_scale": "fp32", "min_q_len": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
+                 "tiles_ptr": "*i32", "qk_scale": "fp32", "min_q_len": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
                  "stride_oh": "i32", "stride_table": "i32"}
     constexprs = {"GROUP": group, "HEAD_DIM": HEAD_DIM, "PAGE": page, "BLOCK_N": config.block_n,
-                  "STAGES": config.stages, "HAS_PREFIX": has_prefix}
+                  "STAGES": config.stages, "HAS_PREFIX": has_prefix, "LISTED": listed,
+                  "NUM_KV_HEADS": KV_HEADS}
     aligned = [n for n in signature if n.endswith("_ptr") or n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh")]
     return compile_sm90(prefill_gluon._prefill_gluon_kernel, signature, constexprs, aligned,
                         prefill_gluon.CONSUMER_WARPS.value)
@@ -61,6 +63,7 @@ def compile_only() -> int:
     for group, page in ((2, 16), (8, 16), (4, 64)):
         builds[f"default group {group} page {page} prefix"] = (
             lambda g=group, p=page: compile_variant(default, g, p, True))
+    builds["default prefix, full grid"] = lambda: compile_variant(default, has_prefix=True, listed=False)
     return compile_rows(builds, 32)
 
 

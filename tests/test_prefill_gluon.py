@@ -23,6 +23,7 @@ GLUON_STEP = TMA_STEP + [(1000, 16), (128, 128), (33, 7)]
 # The served mixed burst's ragged step (7 fresh prompts, 7,950 tokens) and a long prefix.
 BURST_STEP = [(0, n) for n in (4313, 1099, 812, 640, 555, 301, 230)]
 LONG_PREFIX_STEP = [(7000, 2100), (0, 1), (2047, 129)]
+IDE_STEP = [(700, 200)] * 6 + [(0, 900)] * 2 + [(899, 1)] * 16 + [(650, 177), (0, 61)]
 
 
 def _gluon_taken(monkeypatch) -> list[bool]:
@@ -40,6 +41,18 @@ def test_gluon_prefill_with_prefixes_matches_reference(block_size, heads, kv_hea
     calls = _gluon_taken(monkeypatch)
     err = check_attention(GLUON_STEP, FullAttentionSpec(), block_size, heads=heads, kv_heads=kv_heads,
                           seed=block_size + heads, fresh_kv=True, paged_below=block_size)
+    assert calls == [True]
+    assert err < TOL
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["work list", "full grid"])
+def test_gluon_prefill_short_chunks_beside_whole_prompts(listed, monkeypatch):
+    """The step whose full grid was mostly empty programs (the ide-completion scenario's prefill:
+    chunks after cached prefixes, whole prompts, decodes): the work list, as the backend
+    launches it, and the full grid, as launches without host lengths do."""
+    calls = _gluon_taken(monkeypatch)
+    err = check_attention(IDE_STEP, FullAttentionSpec(), 16, heads=32, kv_heads=8, seed=3 + listed,
+                          fresh_kv=True, paged_below=16, listed=listed)
     assert calls == [True]
     assert err < TOL
 

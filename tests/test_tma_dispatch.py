@@ -33,7 +33,7 @@ def kernels(monkeypatch):
     calls = []
     fake = SimpleNamespace(supports_gluon=lambda q, kv: True,
                            prefill_attention_gluon=lambda *a, **kw: calls.append(
-                               ("gluon", kw["cached_prefixes"], kw["min_q_len"])))
+                               ("gluon", kw["cached_prefixes"], kw["min_q_len"]) + (kw["tiles"],) * bool(kw["tiles"])))
     monkeypatch.setattr(mixed, "_gluon_module", lambda: fake)
     monkeypatch.setitem(mixed._GLUON_OFF, "reason", None)
     monkeypatch.setattr(mixed, "prefill_attention_tma", lambda *a, **kw: calls.append(
@@ -41,9 +41,9 @@ def kernels(monkeypatch):
     return calls
 
 
-def _launch(cached_prefixes: bool, split: int, paged_below: int) -> None:
+def _launch(cached_prefixes: bool, split: int, paged_below: int, tile_list=None) -> None:
     mixed._tma_prefill(_q(), (None, None), _cache(), None, None, None, None, 4096, 1.0, cached_prefixes, split,
-                       paged_below)
+                       paged_below, tile_list)
 
 
 def test_fresh_steps_take_gluon(kernels):
@@ -56,6 +56,15 @@ def test_prefixes_take_gluon_only_with_short_chunks_sent_elsewhere(kernels):
     _launch(True, 0, 0)            # nothing promises chunks under a page go elsewhere
     _launch(True, 2048, 2048)
     assert kernels == [("gluon", True, PAGE), ("triton", True, 0), ("gluon", True, 2048)]
+
+
+def test_gluon_runs_the_work_list_for_its_rows(kernels):
+    """The backend's list, asked for the rows the Gluon kernel takes (min_q_len), is its grid."""
+    asked = []
+    _launch(True, PAGE, PAGE, lambda n: asked.append(n) or f"items of rows >= {n}")
+    _launch(False, 0, 0, lambda n: asked.append(n) or f"items of rows >= {n}")
+    assert asked == [PAGE, 2]
+    assert kernels == [("gluon", True, PAGE, f"items of rows >= {PAGE}"), ("gluon", False, 2, "items of rows >= 2")]
 
 
 def test_off_switch_keeps_triton(kernels, monkeypatch):

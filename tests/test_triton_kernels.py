@@ -118,7 +118,7 @@ def _packed_views(q, k, v):
 def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
                     device="cuda", seed=0, decode_config=None,
                     dtype=torch.bfloat16, fused_write=False, prefill_config=None,
-                    fresh_kv=False, cached_prefixes=True, paged_below=0) -> float:
+                    fresh_kv=False, cached_prefixes=True, paged_below=0, listed=True) -> float:
     """Run the kernels directly (NaN-poisoned output) and return the rel. error.
 
     fused_write (decode batches): the decode kernel writes the new K/V itself;
@@ -126,10 +126,11 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
     fresh_kv: mixed batches also hand the kernels this step's K/V as the model
     does, as strided views of one packed q|k|v projection output (`cached_prefixes=False`:
     the caller's promise that no prompt row has a cached prefix; `paged_below`: chunks
-    shorter than that go to the paged kernel, as the backend asks)."""
+    shorter than that go to the paged kernel, as the backend asks; `listed`: the Gluon kernel
+    runs over the backend's work list, else its full grid)."""
     from kvserve.attention.kernels import decode_attention, mixed_attention, reshape_and_cache
     from kvserve.attention.torch_ref import write_kv
-    from kvserve.attention.triton_backend import mask_bounds
+    from kvserve.attention.triton_backend import gluon_tile_list, mask_bounds
     gen = torch.Generator().manual_seed(seed)
     meta, kv_cache, q, k, v = _build_batch(seqs, spec, block_size, heads, kv_heads,
                                            head_dim, device, gen, dtype)
@@ -155,6 +156,7 @@ def check_attention(seqs, spec, block_size, heads=8, kv_heads=2, head_dim=128,
             extra["cached_prefixes"] = cached_prefixes
             extra["paged_below"] = paged_below
             extra["longest_paged"] = meta.longest_chunk_below(paged_below)
+            extra["tile_list"] = gluon_tile_list(meta, q, kv_cache) if listed else None
         mixed_attention(*args, meta.max_query_len, meta.max_seq_len, layer.scale, window, sink, **extra)
     # NaN == NaN here: never-written slots must stay exactly as they were.
     assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "cache write differs"

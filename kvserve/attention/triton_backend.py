@@ -14,6 +14,8 @@ copies, so forward issues no host-device synchronisation.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton  # noqa: F401  (an ImportError here keeps the backend unregistered)
 
@@ -56,7 +58,25 @@ class TritonAttentionBackend:
                                tiles=meta.prefill_tiles, fresh_kv=fresh_kv, cached_prefixes=cached_prefixes,
                                paged_below=paged_below,
                                longest_paged=meta.longest_chunk_below(paged_below) if fresh_kv is not None else 0,
-                               decode_work=meta.decode_work if window is None and not sink else None)
+                               decode_work=meta.decode_work if window is None and not sink else None,
+                               tile_list=gluon_tile_list(meta, q, kv_cache) if fresh_kv is not None else None)
+
+
+def gluon_tile_list(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """The Gluon prefill kernel's work items for the step's prompt rows of at least n query
+    tokens (`prefill_gluon.plan_tiles`), planned from the host lengths and uploaded once a step
+    (every layer's launch reads the same list; kept in `meta.scratch`)."""
+    group = q.shape[1] // kv_cache.shape[3]
+
+    def tiles(min_q_len: int) -> torch.Tensor:
+        key = ("gluon_tiles", group, min_q_len)
+        if key not in meta.scratch:
+            from kvserve.attention.kernels.prefill_gluon import plan_tiles
+            host = torch.from_numpy(plan_tiles(meta.query_lens_cpu, meta.seq_lens_cpu, group, min_q_len))
+            # pinned and non-blocking: a plain copy would wait for the step in flight (runner.batch.upload)
+            meta.scratch[key] = host.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else host
+        return meta.scratch[key]
+    return tiles
 
 
 def _takes_fresh_kv(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor,

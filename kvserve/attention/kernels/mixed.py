@@ -119,7 +119,8 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     prefill_config: PrefillConfig = PrefillConfig(),
                     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     cached_prefixes: bool = True, paged_below: int = 0,
-                    longest_paged: int = 0, decode_work=None) -> torch.Tensor:
+                    longest_paged: int = 0, decode_work=None,
+                    tile_list: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
     """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
     longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
     are built for `prefill_config`'s query tile. Without tiles and a config of
@@ -129,7 +130,9 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     path run its kernel without the prefix loop. On the TMA path, prompt chunks shorter than
     `paged_below` take the paged kernel instead (`longest_paged`: the longest of them; 0:
     none, one launch). `decode_work`: the one-query rows' work list (`decode_work.py`; full
-    attention only), else the decode kernel's even splits."""
+    attention only), else the decode kernel's even splits. `tile_list(min_q_len)`: the Gluon
+    kernel's work items for the prompt rows of at least that many tokens (`prefill_gluon.plan_tiles`,
+    on the device); without it that kernel runs its full grid."""
     if decode_work is not None:
         work_decode_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, scale, decode_work)
     else:
@@ -140,7 +143,7 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
             and supports_tma(q, *fresh_kv, kv_cache):
         split = paged_below if longest_paged else 0
         _tma_prefill(q, fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens, max_query_len, scale,
-                     cached_prefixes, split, paged_below)
+                     cached_prefixes, split, paged_below, tile_list)
         if not split:
             return out
         return prefill_attention(q, kv_cache, out, block_table, query_start_loc, seq_lens, longest_paged,
@@ -154,14 +157,17 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
 
 
 def _tma_prefill(q, fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens, max_query_len: int,
-                 scale: float, cached_prefixes: bool, split: int, paged_below: int) -> None:
+                 scale: float, cached_prefixes: bool, split: int, paged_below: int,
+                 tile_list: Callable[[int], torch.Tensor] | None = None) -> None:
     """The TMA path's kernel over the prompt rows of `split` tokens or more: Gluon where it
     serves the launch (with cached prefixes, only when shorter chunks are sent elsewhere:
     `short_chunk_bound`), else Triton's."""
     gluon = gluon_prefill(q, kv_cache)
     if gluon is not None and (not cached_prefixes or paged_below >= kv_cache.shape[2]):
+        min_q_len = max(split, 2)
         gluon(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens, max_query_len, scale,
-              cached_prefixes=cached_prefixes, min_q_len=max(split, 2))
+              cached_prefixes=cached_prefixes, min_q_len=min_q_len,
+              tiles=tile_list(min_q_len) if tile_list is not None else None)
     else:
         prefill_attention_tma(q, *fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens,
                               max_query_len, scale, single_queries=False, cached_prefixes=cached_prefixes,

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 from triton.experimental import gluon
@@ -258,21 +260,34 @@ def ring_barriers(STAGES: gl.constexpr, count: gl.constexpr):
     return bars
 
 
+@gluon.jit
+def _program_tile(tiles_ptr, NUM_KV_HEADS: gl.constexpr, BLOCK_Q: gl.constexpr, LISTED: gl.constexpr):
+    """(sequence, first query token, KV head) of this program. LISTED: one program per (work
+    item of `plan_tiles`, KV head), the item's heads side by side; else the full grid (query
+    tile counted down: a row's last tiles start first, KV head, sequence), whose programs past
+    a row's query exit at once."""
+    if LISTED:
+        item = gl.program_id(0) // NUM_KV_HEADS
+        return gl.load(tiles_ptr + 2 * item), gl.load(tiles_ptr + 2 * item + 1), gl.program_id(0) % NUM_KV_HEADS
+    else:
+        first = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_Q
+        return gl.program_id(2), first, gl.program_id(1)
+
+
 @gluon.jit(do_not_specialize=["stride_table", "min_q_len"])
 def _prefill_gluon_kernel(q_ptr, k_desc, v_desc, kc_desc, vc_desc, out_ptr, block_table_ptr,
-                          query_start_loc_ptr, seq_lens_ptr, qk_scale, min_q_len,
+                          query_start_loc_ptr, seq_lens_ptr, tiles_ptr, qk_scale, min_q_len,
                           stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_PREFIX: gl.constexpr):
-    """Program (query tile counted down: the longest rows start first, KV head, sequence)."""
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_PREFIX: gl.constexpr,
+                          LISTED: gl.constexpr, NUM_KV_HEADS: gl.constexpr):
+    """Program: a query tile of one sequence x one KV head (`_program_tile`)."""
     BLOCK_Q: gl.constexpr = 2 * ROWS // GROUP
     gl.static_assert(BLOCK_N % BLOCK_Q == 0, "the diagonal must fall in a query tile's last key tile")
-    seq = gl.program_id(2)
-    first = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_Q
+    seq, first, kv_head = _program_tile(tiles_ptr, NUM_KV_HEADS, BLOCK_Q, LISTED)
     q_start = gl.load(query_start_loc_ptr + seq)
     q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
     if (first < q_len) & (q_len >= min_q_len):
-        kv_head = gl.program_id(1)
         prefix = q_len * 0
         if HAS_PREFIX:
             prefix = gl.load(seq_lens_ptr + seq) - q_len
@@ -314,22 +329,55 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block
             + [TensorDescriptor.from_tensor(t, [page, 1, HEAD_DIM], layout) for t in pages])
 
 
+def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
+    return -(-a // b)
+
+
+def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, min_q_len: int = 2,
+               block_n: int = GluonPrefillConfig.block_n) -> np.ndarray:
+    """A launch's work items on the host: (sequence, first query token) of every query tile of
+    each row of at least `min_q_len` query tokens, as int32 [items, 2], the items with the most
+    key tiles first (they set the launch's tail). The full grid gives every row as many tiles
+    as the longest: in a step of short chunks beside a few whole prompts, and one-query rows,
+    most of its programs exit at once (35,264 programs for 2,048 of work at 20 x 200 after
+    700, 4 x 900 and 128 decodes: 1.28x FA3's time on an H100, docs/BENCHMARKS.md)."""
+    block_q = 2 * ROWS.value // group
+    q_lens, totals = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+    rows = np.flatnonzero(q_lens >= max(min_q_len, 1))
+    counts = _cdiv(q_lens[rows], block_q)
+    seq = np.repeat(rows, counts)
+    first = (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)) * block_q
+    key_tiles = _cdiv(totals[seq] - q_lens[seq], block_n) + _cdiv(np.minimum(first + block_q, q_lens[seq]), block_n)
+    order = np.argsort(-key_tiles, kind="stable")
+    return np.stack([seq[order], first[order]], axis=1).astype(np.int32)
+
+
 def prefill_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                             out: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
                             cached_prefixes: bool = True, min_q_len: int = 2,
-                            config: GluonPrefillConfig = GluonPrefillConfig()) -> torch.Tensor:
+                            config: GluonPrefillConfig = GluonPrefillConfig(),
+                            tiles: torch.Tensor | None = None) -> torch.Tensor:
     """`prefill_attention_tma`'s contract: causal attention of every sequence's queries over
     its cached prefix and its own chunk (q/out [T, H, D]; k/v [T, KVH, D], this step's new
     keys, also in the cache by now). Sequences whose query is shorter than `min_q_len` are
     left untouched (the decode kernel's one-query rows, the paged kernel's short chunks).
-    `cached_prefixes=False` promises no sequence has a prefix (the prefix loop is compiled out)."""
+    `cached_prefixes=False` promises no sequence has a prefix (the prefix loop is compiled out).
+    `tiles`: `plan_tiles`' items for these rows and `min_q_len` on the device, one program an
+    item and KV head; without them, the full grid over `max_query_len`."""
     num_kv_heads = kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    grid = (triton.cdiv(max_query_len, 2 * ROWS.value // group), num_kv_heads, seq_lens.shape[0])
+    if tiles is not None:
+        grid = (tiles.shape[0] * num_kv_heads, 1, 1)
+    else:
+        grid = (triton.cdiv(max_query_len, 2 * ROWS.value // group), num_kv_heads, seq_lens.shape[0])
+    if grid[0] == 0:
+        return out
     _prefill_gluon_kernel[grid](
         q, *_descriptors(k, v, kv_cache, config.block_n), out, block_table, query_start_loc, seq_lens,
-        scale * LOG2E, min_q_len, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        tiles if tiles is not None else seq_lens, scale * LOG2E, min_q_len, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_table.stride(0),
         GROUP=group, HEAD_DIM=HEAD_DIM, PAGE=kv_cache.shape[2], BLOCK_N=config.block_n, STAGES=config.stages,
-        HAS_PREFIX=cached_prefixes, num_warps=CONSUMER_WARPS.value)
+        HAS_PREFIX=cached_prefixes, LISTED=tiles is not None, NUM_KV_HEADS=num_kv_heads,
+        num_warps=CONSUMER_WARPS.value)
     return out

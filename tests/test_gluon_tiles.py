@@ -1,0 +1,61 @@
+"""The Gluon prefill kernel's work list (`prefill_gluon.plan_tiles`), checked on the host against
+a brute-force enumeration, and the backend's once-a-step list (`triton_backend.gluon_tile_list`).
+The kernel over the list is checked on the GPU (tests/test_prefill_gluon.py)."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+prefill_gluon = pytest.importorskip("kvserve.attention.kernels.prefill_gluon")
+
+
+def brute_force(query_lens, seq_lens, group, min_q_len, block_n):
+    """{(seq, first): key tiles} for every query tile of each row of at least min_q_len tokens."""
+    block_q = 128 // group
+    items = {}
+    for seq, (q_len, total) in enumerate(zip(query_lens, seq_lens)):
+        if q_len < max(min_q_len, 1):
+            continue
+        for first in range(0, q_len, block_q):
+            items[(seq, first)] = (math.ceil((total - q_len) / block_n)
+                                   + math.ceil(min(first + block_q, q_len) / block_n))
+    return items
+
+
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("min_q_len", [2, 16, 64])
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_tiles_lists_every_tile_once_most_key_tiles_first(group, min_q_len, seed):
+    rng = random.Random(seed * 31 + group + min_q_len)
+    query_lens = [rng.choice([1, 1, 5, 16, 33, 200, 900, rng.randint(2, 2000)]) for _ in range(rng.randint(1, 40))]
+    seq_lens = [q + rng.choice([0, 0, 15, 700, rng.randint(0, 5000)]) for q in query_lens]
+    plan = prefill_gluon.plan_tiles(query_lens, seq_lens, group, min_q_len, block_n=128)
+    want = brute_force(query_lens, seq_lens, group, min_q_len, 128)
+    got = [tuple(map(int, item)) for item in plan]
+    assert plan.dtype == np.int32 and plan.shape == (len(want), 2)
+    assert sorted(got) == sorted(want), "each tile of each row at least min_q_len long, once"
+    work = [want[item] for item in got]
+    assert work == sorted(work, reverse=True), "the items with the most key tiles first"
+
+
+def test_plan_tiles_of_no_row_long_enough_is_empty():
+    plan = prefill_gluon.plan_tiles([1, 1, 7], [900, 20, 7], 4, min_q_len=16)
+    assert plan.shape == (0, 2)
+
+
+def test_backend_plans_once_a_step_per_bound():
+    """Every layer of a step asks; the list is planned and uploaded once per min_q_len."""
+    from kvserve.attention.metadata import AttentionMetadata
+    from kvserve.attention.triton_backend import gluon_tile_list
+    meta = AttentionMetadata(num_seqs=3, num_tokens=1101, block_size=16, query_start_loc=torch.zeros(4),
+                             seq_lens=torch.zeros(3), block_tables=[], slot_mappings=[], max_query_len=900,
+                             max_seq_len=900, query_lens_cpu=[200, 1, 900], seq_lens_cpu=[900, 901, 900])
+    q, kv_cache = torch.empty(1101, 32, 128), torch.empty(2, 4, 16, 8, 128)
+    first = gluon_tile_list(meta, q, kv_cache)(16)
+    assert gluon_tile_list(meta, q, kv_cache)(16) is first
+    assert sorted(map(tuple, first.tolist())) == sorted(brute_force([200, 1, 900], [900, 901, 900], 4, 16, 128))
+    assert gluon_tile_list(meta, q, kv_cache)(300).shape == (29, 2)   # only the 900-token row
