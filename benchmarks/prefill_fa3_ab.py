@@ -42,7 +42,13 @@ def fa3():
 def work_list(rows: list[tuple[int, int]], group: int):
     """The backend's `tile_list` for this step: the Gluon kernel's items for rows of n+ tokens."""
     query_lens, seq_lens = [n for _, n in rows], [p + n for p, n in rows]
-    return lambda n: torch.from_numpy(plan_tiles(query_lens, seq_lens, group, n)).cuda()
+    made = {}   # planned and uploaded once, as the backend does once a step
+
+    def tiles(n: int) -> torch.Tensor:
+        if n not in made:
+            made[n] = torch.from_numpy(plan_tiles(query_lens, seq_lens, group, n)).cuda()
+        return made[n]
+    return tiles
 
 
 def compare(label: str, rows: list[tuple[int, int]], flash) -> None:

@@ -59,3 +59,16 @@ def test_backend_plans_once_a_step_per_bound():
     assert gluon_tile_list(meta, q, kv_cache)(16) is first
     assert sorted(map(tuple, first.tolist())) == sorted(brute_force([200, 1, 900], [900, 901, 900], 4, 16, 128))
     assert gluon_tile_list(meta, q, kv_cache)(300).shape == (29, 2)   # only the 900-token row
+
+
+def test_list_taken_where_the_full_grid_mostly_idles():
+    """The launches measured on an H100 (LIST_MIN_SAVING's comment): the list where the grid
+    has 17x and 4.2x its programs, the grid where none of its programs idle."""
+    def launch(rows):
+        plan = prefill_gluon.plan_tiles([n for _, n in rows], [p + n for p, n in rows], 4)
+        return prefill_gluon.takes_list(max(n for _, n in rows), len(rows), 4, plan.shape[0])
+    decodes = [(899, 1)] * 128
+    assert launch([(700, 200)] * 20 + [(0, 900)] * 4 + decodes)
+    assert launch([(700, 200)] * 40 + decodes)
+    assert not launch([(0, 900)] * 9) and not launch([(0, 1024)] * 8) and not launch([(0, 8192)])
+    assert not launch([(700, 200)] * 40)

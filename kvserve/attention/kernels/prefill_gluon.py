@@ -329,6 +329,22 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block
             + [TensorDescriptor.from_tensor(t, [page, 1, HEAD_DIM], layout) for t in pages])
 
 
+# The work list where the full grid launches at least this many times its programs. An H100,
+# 2026-12-05 (benchmarks/prefill_fa3_ab.py, docs/BENCHMARKS.md): at 17x (20 x 200 after 700,
+# 4 x 900, 128 decodes) the list took 414 us against 510; at 4.2x (40 x 200 after 700, 128
+# decodes) 500 against 505; where the grid has no idle programs it took 2-6% longer (9 x 900
+# 189 against 180, 8 x 1,024 199 against 187): its order, the most key tiles first, puts a
+# row's tiles far apart, while the grid runs one row's tiles of one KV head back to back (its
+# keys then come from L2; expected cause, not profiled).
+LIST_MIN_SAVING = 4
+
+
+def takes_list(max_query_len: int, num_seqs: int, group: int, num_items: int) -> bool:
+    """Whether a launch runs its work list of `num_items` (query tile, sequence) items rather
+    than the full grid: the grid's tiles x sequences reach LIST_MIN_SAVING times the items."""
+    return triton.cdiv(max_query_len, 2 * ROWS.value // group) * num_seqs >= LIST_MIN_SAVING * num_items
+
+
 def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
     return -(-a // b)
 
@@ -364,13 +380,15 @@ def prefill_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     left untouched (the decode kernel's one-query rows, the paged kernel's short chunks).
     `cached_prefixes=False` promises no sequence has a prefix (the prefix loop is compiled out).
     `tiles`: `plan_tiles`' items for these rows and `min_q_len` on the device, one program an
-    item and KV head; without them, the full grid over `max_query_len`."""
+    item and KV head, where the full grid over `max_query_len` would launch LIST_MIN_SAVING times
+    as many programs or more; else (and without them) the full grid."""
     num_kv_heads = kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
+    grid = (triton.cdiv(max_query_len, 2 * ROWS.value // group), num_kv_heads, seq_lens.shape[0])
+    if tiles is not None and not takes_list(max_query_len, seq_lens.shape[0], group, tiles.shape[0]):
+        tiles = None
     if tiles is not None:
         grid = (tiles.shape[0] * num_kv_heads, 1, 1)
-    else:
-        grid = (triton.cdiv(max_query_len, 2 * ROWS.value // group), num_kv_heads, seq_lens.shape[0])
     if grid[0] == 0:
         return out
     _prefill_gluon_kernel[grid](
