@@ -355,8 +355,8 @@ def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, m
     each row of at least `min_q_len` query tokens, as int32 [items, 2], the items with the most
     key tiles first (they set the launch's tail). The full grid gives every row as many tiles
     as the longest: in a step of short chunks beside a few whole prompts, and one-query rows,
-    most of its programs exit at once (35,264 programs for 2,048 of work at 20 x 200 after
-    700, 4 x 900 and 128 decodes: 1.28x FA3's time on an H100, docs/BENCHMARKS.md)."""
+    most of its programs exit at once (35,264 programs, 2,048 of them with work, at 20 x 200
+    after 700, 4 x 900 and 128 decodes: 1.28x FA3's time on an H100, docs/BENCHMARKS.md)."""
     block_q = 2 * ROWS.value // group
     q_lens, totals = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
     rows = np.flatnonzero(q_lens >= max(min_q_len, 1))
