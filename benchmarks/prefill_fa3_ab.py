@@ -7,9 +7,11 @@ attention was the one place kvserve's kernels took clearly longer than vLLM's: 2
 prefill kernel's 190.6 plus the decode kernel's 45.1 for the steps' one-query rows) against FA3's
 146.3. The steps here are that scenario's shapes (~200-token chunks after ~700-token cached file
 prefixes, whole ~900-token prompts, decode rows beside them) and a few of `tma_kernel_ab.py`'s.
-Qwen3-8B heads (32 / 8, 128), bf16, block size 16. Each row prints kvserve's time with the Gluon
-kernel over its work list (as the backend launches it) and over its full grid, FA3's (n/a without
-vLLM's site), the ratios, and the outputs' largest relative difference to FA3's (else the full grid's).
+Qwen3-8B heads (32 / 8, 128), bf16, block size 16. Each row prints kvserve's time as the backend
+launches it (the Gluon kernel over its work list where `takes_list` says so, else its full grid),
+over the full grid, over the list in either `plan_tiles` order (both forced), FA3's (n/a without
+vLLM's site), kvserve's over FA3's, and the outputs' largest relative difference to FA3's (else
+to the rows-order list's).
 
     PYTHONPATH=$PWD:$PWD/.vsite python3 benchmarks/prefill_fa3_ab.py    # vLLM's site (.vsite) holds FA3
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.kernels.mixed import mixed_attention, short_chunk_bound
+from kvserve.attention.kernels import prefill_gluon
 from kvserve.attention.kernels.prefill_gluon import plan_tiles
 from prefill_headroom import HEAD_DIM
 from tma_kernel_ab import step_inputs, timed_us
@@ -39,16 +42,27 @@ def fa3():
     return flash_attn_varlen_func
 
 
-def work_list(rows: list[tuple[int, int]], group: int):
+def work_list(rows: list[tuple[int, int]], group: int, order: str = "keys"):
     """The backend's `tile_list` for this step: the Gluon kernel's items for rows of n+ tokens."""
     query_lens, seq_lens = [n for _, n in rows], [p + n for p, n in rows]
     made = {}   # planned and uploaded once, as the backend does once a step
 
     def tiles(n: int) -> torch.Tensor:
         if n not in made:
-            made[n] = torch.from_numpy(plan_tiles(query_lens, seq_lens, group, n)).cuda()
+            made[n] = torch.from_numpy(plan_tiles(query_lens, seq_lens, group, n, order=order)).cuda()
         return made[n]
     return tiles
+
+
+def always_listed(run):
+    """`run` with the launch's choice between list and grid (`takes_list`) set to the list."""
+    def forced():
+        saved, prefill_gluon.LIST_MIN_SAVING = prefill_gluon.LIST_MIN_SAVING, 0
+        try:
+            return run()
+        finally:
+            prefill_gluon.LIST_MIN_SAVING = saved
+    return forced
 
 
 def compare(label: str, rows: list[tuple[int, int]], flash) -> None:
@@ -56,26 +70,28 @@ def compare(label: str, rows: list[tuple[int, int]], flash) -> None:
     q, k, v, cache, table, starts, lens, top = step_inputs(rows)
     prefixes = any(p for p, n in rows if n > 1)
     scale, longest = HEAD_DIM ** -0.5, int(lens.max())
-    outs = [torch.full_like(q, float("nan")) for _ in range(3)]
+    outs = [torch.full_like(q, float("nan")) for _ in range(5)]
     paged_below = short_chunk_bound(q, cache, prefixes)
-    tiles = work_list(rows, q.shape[1] // cache.shape[3])
+    group = q.shape[1] // cache.shape[3]
 
     def kvserve(out, tile_list):
         return lambda: mixed_attention(q, cache, out, table, starts, lens, top, longest, scale, None, 0,
                                        fresh_kv=(k, v), cached_prefixes=prefixes, paged_below=paged_below,
                                        tile_list=tile_list)
-    runs = [kvserve(outs[0], tiles), kvserve(outs[1], None)]
+    runs = [kvserve(outs[0], work_list(rows, group)), kvserve(outs[1], None),
+            always_listed(kvserve(outs[2], work_list(rows, group))),
+            always_listed(kvserve(outs[3], work_list(rows, group, order="rows")))]
     if flash is not None:
         runs.append(lambda: flash(q, cache[0], cache[1], max_seqlen_q=top, cu_seqlens_q=starts,
                                   max_seqlen_k=longest, seqused_k=lens, softmax_scale=scale, causal=True,
-                                  block_table=table, out=outs[2], fa_version=3))
+                                  block_table=table, out=outs[4], fa_version=3))
     for run in runs:
         run()
-    ref = outs[len(runs) - 1].float()   # FA3's, else the full grid's
-    diff = max(((out.float() - ref).norm() / ref.norm()).item() for out in outs[:2])
-    us = [timed_us(run) for run in runs] + [float("nan")] * (3 - len(runs))
-    print(f"{label:<44} kvserve {us[0]:7.1f} us  full grid {us[1]:7.1f} us  FA3 {us[2]:7.1f} us  "
-          f"kvserve/FA3 {us[0] / us[2]:.3f}  full grid/FA3 {us[1] / us[2]:.3f}  rel diff {diff:.1e}", flush=True)
+    ref = outs[len(runs) - 1].float()   # FA3's, else the rows-order list's
+    diff = max(((out.float() - ref).norm() / ref.norm()).item() for out in outs[:4])
+    us = [timed_us(run) for run in runs] + [float("nan")] * (5 - len(runs))
+    print(f"{label:<44} kvserve {us[0]:7.1f}  grid {us[1]:7.1f}  list/keys {us[2]:7.1f}  list/rows {us[3]:7.1f}  "
+          f"FA3 {us[4]:7.1f} us  kvserve/FA3 {us[0] / us[4]:.3f}  rel diff {diff:.1e}", flush=True)
 
 
 def main() -> None:

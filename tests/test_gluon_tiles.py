@@ -42,6 +42,15 @@ def test_plan_tiles_lists_every_tile_once_most_key_tiles_first(group, min_q_len,
     assert work == sorted(work, reverse=True), "the items with the most key tiles first"
 
 
+def test_plan_tiles_in_row_order_counts_each_rows_tiles_down():
+    query_lens, seq_lens = [200, 1, 900, 40], [900, 901, 900, 40]
+    plan = prefill_gluon.plan_tiles(query_lens, seq_lens, 4, 16, order="rows")
+    want = [(0, f) for f in (192, 160, 128, 96, 64, 32, 0)] + [(2, f) for f in range(896, -1, -32)] + [(3, 32), (3, 0)]
+    assert [tuple(map(int, item)) for item in plan] == want
+    with pytest.raises(ValueError, match="order"):
+        prefill_gluon.plan_tiles(query_lens, seq_lens, 4, order="heads")
+
+
 def test_plan_tiles_of_no_row_long_enough_is_empty():
     plan = prefill_gluon.plan_tiles([1, 1, 7], [900, 20, 7], 4, min_q_len=16)
     assert plan.shape == (0, 2)

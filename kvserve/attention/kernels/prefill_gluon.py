@@ -350,10 +350,12 @@ def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
 
 
 def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, min_q_len: int = 2,
-               block_n: int = GluonPrefillConfig.block_n) -> np.ndarray:
+               block_n: int = GluonPrefillConfig.block_n, order: str = "keys") -> np.ndarray:
     """A launch's work items on the host: (sequence, first query token) of every query tile of
     each row of at least `min_q_len` query tokens, as int32 [items, 2], the items with the most
-    key tiles first (they set the launch's tail). The full grid gives every row as many tiles
+    key tiles first (they set the launch's tail). `order="rows"` (benchmarks only, not measured
+    yet) keeps the full grid's order instead: row by row, each row's tiles counted down, so a
+    row's tiles run back to back as they do there (LIST_MIN_SAVING's comment). The full grid gives every row as many tiles
     as the longest: in a step of short chunks beside a few whole prompts, and one-query rows,
     most of its programs exit at once (35,264 programs, 2,048 of them with work, at 20 x 200
     after 700, 4 x 900 and 128 decodes: 1.28x FA3's time on an H100, docs/BENCHMARKS.md)."""
@@ -364,7 +366,9 @@ def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, m
     seq = np.repeat(rows, counts)
     first = (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)) * block_q
     key_tiles = _cdiv(totals[seq] - q_lens[seq], block_n) + _cdiv(np.minimum(first + block_q, q_lens[seq]), block_n)
-    order = np.argsort(-key_tiles, kind="stable")
+    if order not in ("keys", "rows"):
+        raise ValueError(f"plan_tiles' order is 'keys' or 'rows', got {order!r}")
+    order = np.argsort(-key_tiles, kind="stable") if order == "keys" else np.lexsort((-first, seq))
     return np.stack([seq[order], first[order]], axis=1).astype(np.int32)
 
 
