@@ -127,7 +127,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         print(f"{a.engine:8s} {key:17s} {r['requests']:5d} req {r['prompt_tokens']:8d} in "
               f"{r['output_tokens']:8d} out {r['seconds']:8.2f} s {r['output_tokens'] / r['seconds']:9.1f} out tok/s",
               flush=True)
-    return {"engine": a.engine, "scenarios": results}
+    weights = a.dummy_init if a.engine == "kvserve" else "vllm"
+    return {"engine": a.engine, "dummy_weights": weights, "scenarios": results}
 
 
 def compare(paths: list[str]) -> None:
