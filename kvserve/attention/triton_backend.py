@@ -72,9 +72,9 @@ def gluon_tile_list(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Te
         key = ("gluon_tiles", group, min_q_len)
         if key not in meta.scratch:
             from kvserve.attention.kernels.prefill_gluon import plan_tiles
-            host = torch.from_numpy(plan_tiles(meta.query_lens_cpu, meta.seq_lens_cpu, group, min_q_len))
-            # pinned and non-blocking: a plain copy would wait for the step in flight (runner.batch.upload)
-            meta.scratch[key] = host.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else host
+            from kvserve.runner.batch import upload   # pinned, non-blocking: no wait for the step in flight
+            meta.scratch[key] = upload(torch.from_numpy(plan_tiles(meta.query_lens_cpu, meta.seq_lens_cpu, group,
+                                                                   min_q_len)), q.device)
         return meta.scratch[key]
     return tiles
 

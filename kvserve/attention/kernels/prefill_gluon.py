@@ -368,8 +368,8 @@ def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, m
     key_tiles = _cdiv(totals[seq] - q_lens[seq], block_n) + _cdiv(np.minimum(first + block_q, q_lens[seq]), block_n)
     if order not in ("keys", "rows"):
         raise ValueError(f"plan_tiles' order is 'keys' or 'rows', got {order!r}")
-    order = np.argsort(-key_tiles, kind="stable") if order == "keys" else np.lexsort((-first, seq))
-    return np.stack([seq[order], first[order]], axis=1).astype(np.int32)
+    ranked = np.argsort(-key_tiles, kind="stable") if order == "keys" else np.lexsort((-first, seq))
+    return np.stack([seq[ranked], first[ranked]], axis=1).astype(np.int32)
 
 
 def prefill_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
