@@ -42,7 +42,7 @@ def fa3():
     return flash_attn_varlen_func
 
 
-def work_list(rows: list[tuple[int, int]], group: int, order: str = "keys"):
+def work_list(rows: list[tuple[int, int]], group: int, order: str = "rows"):
     """The backend's `tile_list` for this step: the Gluon kernel's items for rows of n+ tokens."""
     query_lens, seq_lens = [n for _, n in rows], [p + n for p, n in rows]
     made = {}   # planned and uploaded once, as the backend does once a step
@@ -79,7 +79,7 @@ def compare(label: str, rows: list[tuple[int, int]], flash) -> None:
                                        fresh_kv=(k, v), cached_prefixes=prefixes, paged_below=paged_below,
                                        tile_list=tile_list)
     runs = [kvserve(outs[0], work_list(rows, group)), kvserve(outs[1], None),
-            always_listed(kvserve(outs[2], work_list(rows, group))),
+            always_listed(kvserve(outs[2], work_list(rows, group, order="keys"))),
             always_listed(kvserve(outs[3], work_list(rows, group, order="rows")))]
     if flash is not None:
         runs.append(lambda: flash(q, cache[0], cache[1], max_seqlen_q=top, cu_seqlens_q=starts,

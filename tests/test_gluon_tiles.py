@@ -29,22 +29,27 @@ def brute_force(query_lens, seq_lens, group, min_q_len, block_n):
 @pytest.mark.parametrize("group", [2, 4, 8])
 @pytest.mark.parametrize("min_q_len", [2, 16, 64])
 @pytest.mark.parametrize("seed", range(4))
-def test_plan_tiles_lists_every_tile_once_most_key_tiles_first(group, min_q_len, seed):
+@pytest.mark.parametrize("order", ["rows", "keys"])
+def test_plan_tiles_lists_every_tile_once_in_its_order(group, min_q_len, seed, order):
     rng = random.Random(seed * 31 + group + min_q_len)
     query_lens = [rng.choice([1, 1, 5, 16, 33, 200, 900, rng.randint(2, 2000)]) for _ in range(rng.randint(1, 40))]
     seq_lens = [q + rng.choice([0, 0, 15, 700, rng.randint(0, 5000)]) for q in query_lens]
-    plan = prefill_gluon.plan_tiles(query_lens, seq_lens, group, min_q_len, block_n=128)
+    plan = prefill_gluon.plan_tiles(query_lens, seq_lens, group, min_q_len, block_n=128, order=order)
     want = brute_force(query_lens, seq_lens, group, min_q_len, 128)
     got = [tuple(map(int, item)) for item in plan]
     assert plan.dtype == np.int32 and plan.shape == (len(want), 2)
     assert sorted(got) == sorted(want), "each tile of each row at least min_q_len long, once"
-    work = [want[item] for item in got]
-    assert work == sorted(work, reverse=True), "the items with the most key tiles first"
+    if order == "keys":
+        work = [want[item] for item in got]
+        assert work == sorted(work, reverse=True), "the items with the most key tiles first"
+    else:
+        assert got == sorted(got, key=lambda item: (item[0], -item[1])), "row by row, each row's tiles counted down"
 
 
-def test_plan_tiles_in_row_order_counts_each_rows_tiles_down():
+def test_plan_tiles_by_default_counts_each_rows_tiles_down_row_by_row():
+    """The backend's order (the full grid's), spelled out."""
     query_lens, seq_lens = [200, 1, 900, 40], [900, 901, 900, 40]
-    plan = prefill_gluon.plan_tiles(query_lens, seq_lens, 4, 16, order="rows")
+    plan = prefill_gluon.plan_tiles(query_lens, seq_lens, 4, 16)
     want = [(0, f) for f in (192, 160, 128, 96, 64, 32, 0)] + [(2, f) for f in range(896, -1, -32)] + [(3, 32), (3, 0)]
     assert [tuple(map(int, item)) for item in plan] == want
     with pytest.raises(ValueError, match="order"):

@@ -330,12 +330,13 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block
 
 
 # The work list where the full grid launches at least this many times its programs. An H100,
-# 2026-12-05 (benchmarks/prefill_fa3_ab.py, docs/BENCHMARKS.md): at 17x (20 x 200 after 700,
-# 4 x 900, 128 decodes) the list took 414 us against 510; at 4.2x (40 x 200 after 700, 128
-# decodes) 500 against 505; where the grid has no idle programs it took 2-6% longer (9 x 900
-# 189 against 180, 8 x 1,024 199 against 187): its order, the most key tiles first, puts a
-# row's tiles far apart, while the grid runs one row's tiles of one KV head back to back (its
-# keys then come from L2; expected cause, not profiled).
+# 2026-12-05 (benchmarks/prefill_fa3_ab.py, docs/BENCHMARKS.md), the list then ordered most key
+# tiles first: at 17x (20 x 200 after 700, 4 x 900, 128 decodes) it took 414 us against 510; at
+# 4.2x (40 x 200 after 700, 128 decodes) 500 against 505; where the grid has no idle programs
+# 2-6% longer (9 x 900 189 against 180, 8 x 1,024 199 against 187). An H200, same day, one run:
+# in the grid's own order (row by row, `plan_tiles`' default) the list took 440 us against the
+# other order's 457 at 4.2x, and 366 against 375 at 17x. Where the grid has no idle programs it
+# stayed within -3% to +2.4% of the grid; no step between 1x and 4.2x has been timed.
 LIST_MIN_SAVING = 4
 
 
@@ -350,12 +351,12 @@ def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
 
 
 def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, min_q_len: int = 2,
-               block_n: int = GluonPrefillConfig.block_n, order: str = "keys") -> np.ndarray:
+               block_n: int = GluonPrefillConfig.block_n, order: str = "rows") -> np.ndarray:
     """A launch's work items on the host: (sequence, first query token) of every query tile of
-    each row of at least `min_q_len` query tokens, as int32 [items, 2], the items with the most
-    key tiles first (they set the launch's tail). `order="rows"` (benchmarks only, not measured
-    yet) keeps the full grid's order instead: row by row, each row's tiles counted down, so a
-    row's tiles run back to back as they do there (LIST_MIN_SAVING's comment). The full grid gives every row as many tiles
+    each row of at least `min_q_len` query tokens, as int32 [items, 2], in the full grid's order:
+    row by row, each row's tiles counted down, so a row's tiles run back to back as they do
+    there. `order="keys"` (benchmarks) puts the items with the most key tiles first instead: 1-4%
+    slower on an H200 (LIST_MIN_SAVING's comment). The full grid gives every row as many tiles
     as the longest: in a step of short chunks beside a few whole prompts, and one-query rows,
     most of its programs exit at once (35,264 programs, 2,048 of them with work, at 20 x 200
     after 700, 4 x 900 and 128 decodes: 1.28x FA3's time on an H100, docs/BENCHMARKS.md)."""
