@@ -64,6 +64,7 @@
 #                                                     ENGINE (kvserve or vllm). The first call unpacks vLLM's stream
 #                                                     and keeps the model directory in .vsite/model: .vp3 with the
 #                                                     tree leaves no room for it; the second installs .vp3's wheels
+# Where vllm_bundle_split.sh moved wheels to .vp4, carry .vp4 with .vp2b and install it with .vp3.
 # Chain the calls at once: a machine idle for 30 s is given back, and the next call starts a bare
 # one (a minute or more of device time) without the parts carried before.
 # Both servers take their web packages (fastapi, uvicorn, pydantic, pyzmq, msgspec) from vLLM's
@@ -96,8 +97,9 @@ offline() {  # engine, seconds
     --model-dir "$PWD/.dummy-qwen3-8b" --save-json "$OUT/offline_$1.json" ${OFFLINE_ARGS:-} 2>&1 \
     | grep -E "^(kvserve|vllm) |Error|error" | tail -12
 }
-unpack() {  # vLLM's stream (.vp1 + .vp2 + .vp2b) into .vsite
+unpack() {  # vLLM's stream (.vp1 + .vp2 + .vp2b) into .vsite, and the wheels moved to .vp4 if carried
   mkdir -p .vsite && cat .vp1/* .vp2/* .vp2b/* | xz -d -T16 | tar -x -C .vsite
+  [ -d .vp4 ] && python3 -m pip install -q --no-index --no-deps --no-compile --target .vsite .vp4/*.whl || true
 }
 pack() {  # a call brings back at most 8 files: the runs' JSON and server logs go as one archive
   (cd "$OUT" && tar -czf "serve_$1.tgz" *_*.json server_*.log && rm -f *_*.json server_*.log)
