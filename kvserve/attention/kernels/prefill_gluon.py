@@ -355,7 +355,7 @@ def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, m
     """A launch's work items on the host: (sequence, first query token) of every query tile of
     each row of at least `min_q_len` query tokens, as int32 [items, 2], in the full grid's order:
     row by row, each row's tiles counted down, so a row's tiles run back to back as they do
-    there. `order="keys"` (benchmarks) puts the items with the most key tiles first instead: 1-4%
+    there. `order="keys"` (benchmarks) puts the items with the most key tiles first instead: 2.5-4%
     slower on an H200 (LIST_MIN_SAVING's comment). The full grid gives every row as many tiles
     as the longest: in a step of short chunks beside a few whole prompts, and one-query rows,
     most of its programs exit at once (35,264 programs, 2,048 of them with work, at 20 x 200
