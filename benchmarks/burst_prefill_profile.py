@@ -16,14 +16,13 @@ the two reports compare kernel by kernel.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_scenarios import ENGINE_ARGS, scenario_requests  # noqa: E402
+from offline_scenarios import dummy_llm, scenario_requests  # noqa: E402
 
 from kvserve.bench.profile import KERNEL_KINDS, device_idle, kernel_kind, kernel_rows, profiled_run  # noqa: E402
 
@@ -35,16 +34,8 @@ KINDS = KERNEL_KINDS + (("norm/act/rope", ("norm", "silu", "rope", "rotary", "ac
 
 def engine(name: str, model_dir: str):
     """(LLM, sampling params): one greedy token a prompt, so a prompt's work is its prefill."""
-    if name == "kvserve":
-        from kvserve import LLM, SamplingParams
-        return (LLM(model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS),
-                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # its kernels in this process
-    from vllm import LLM, SamplingParams
-    return (LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                **ENGINE_ARGS),
-            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False))
+    llm, params = dummy_llm(name, model_dir, in_process=True)
+    return llm, params(1)
 
 
 def report(prof, name: str, tokens: int, wall: float, what: str = "burst prefill") -> list[str]:

@@ -20,6 +20,7 @@ import argparse
 import atexit
 import itertools
 import json
+import os
 import time
 from typing import Any, Callable
 
@@ -44,16 +45,43 @@ def scenario_requests(name: str, count: int, model_dir: str, seed: int = 0) -> l
 
 def kvserve_runner(model_dir: str, step_trace: str | None = None,
                    dummy_init: str = "kvserve") -> Callable[[list[WorkloadRequest]], int]:
-    from kvserve import LLM, SamplingParams
-    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
+    llm, params = dummy_llm("kvserve", model_dir)
     if dummy_init == "vllm":
         fill_like_vllm(llm.engine.runner.model)
     if step_trace:
         atexit.register(trace_steps(llm.engine, step_trace).close)
 
+    return _generate(llm, params)
+
+
+def dummy_llm(engine: str, model_dir: str, in_process: bool = False):
+    """(LLM, max_tokens -> its SamplingParams) of either engine on dummy weights of `model_dir`'s
+    shape, as every comparison here builds them: greedy, ignore_eos, no detokenizing.
+    `in_process`: vLLM's engine core in this process, where a profiler sees its kernels."""
+    return _kvserve_llm(model_dir) if engine == "kvserve" else _vllm_llm(model_dir, in_process)
+
+
+def _kvserve_llm(model_dir: str):
+    from kvserve import LLM, SamplingParams
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
+    return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _vllm_llm(model_dir: str, in_process: bool):
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if in_process:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              **ENGINE_ARGS)
+    return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+
+def _generate(llm, params) -> Callable[[list[WorkloadRequest]], int]:
+    """A batch through `llm.generate`, each request its own max_tokens; its output tokens."""
     def run(batch: list[WorkloadRequest]) -> int:
-        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in batch]
-        outs = llm.generate([{"prompt_token_ids": r.prompt} for r in batch], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": r.prompt} for r in batch], [params(r.max_tokens) for r in batch],
+                            use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
     return run
 
@@ -88,18 +116,7 @@ def trace_steps(engine, path: str):
 
 
 def vllm_runner(model_dir: str) -> Callable[[list[WorkloadRequest]], int]:
-    import os
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              **ENGINE_ARGS)
-
-    def run(batch: list[WorkloadRequest]) -> int:
-        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False)
-                  for r in batch]
-        outs = llm.generate([{"prompt_token_ids": r.prompt} for r in batch], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-    return run
+    return _generate(*dummy_llm("vllm", model_dir))
 
 
 def time_scenario(run: Callable[[list[WorkloadRequest]], int], requests: list[WorkloadRequest],

@@ -14,7 +14,6 @@ device activity only (no CPU ops: their recording would slow the host and with i
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,26 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from burst_prefill_profile import report  # noqa: E402
-from offline_scenarios import DEFAULT_COUNTS, ENGINE_ARGS, scenario_requests  # noqa: E402
-
-
-def engine(name: str, model_dir: str):
-    """(LLM, a function from max_tokens to greedy ignore_eos sampling params)."""
-    return _kvserve(model_dir) if name == "kvserve" else _vllm(model_dir)
-
-
-def _kvserve(model_dir: str):
-    from kvserve import LLM, SamplingParams
-    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
-    return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def _vllm(model_dir: str):
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # its kernels in this process
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0, **ENGINE_ARGS)
-    return llm, lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+from offline_scenarios import DEFAULT_COUNTS, dummy_llm, scenario_requests  # noqa: E402
 
 
 def run(llm, params, requests, profiled: bool):
@@ -80,7 +60,7 @@ def main() -> None:
     a = p.parse_args()
     name, seed = a.scenario
     requests = scenario_requests(name, a.count or DEFAULT_COUNTS[name], a.model_dir, seed)
-    llm, params = engine(a.engine, a.model_dir)
+    llm, params = dummy_llm(a.engine, a.model_dir, in_process=True)
     run(llm, params, scenario_requests("qa", 16, a.model_dir, seed=7), profiled=False)   # warm: other prompts
     prof, wall = run(llm, params, requests, profiled=True)
     tokens = sum(len(r.prompt) for r in requests)
