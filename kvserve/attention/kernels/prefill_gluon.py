@@ -340,10 +340,15 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block
 LIST_MIN_SAVING = 4
 
 
+def _block_q(group: int) -> int:
+    """Query tokens a program takes (the kernel's BLOCK_Q): its 2 x ROWS rows over the group's heads."""
+    return 2 * ROWS.value // group
+
+
 def takes_list(max_query_len: int, num_seqs: int, group: int, num_items: int) -> bool:
     """Whether a launch runs its work list of `num_items` (query tile, sequence) items rather
     than the full grid: the grid's tiles x sequences reach LIST_MIN_SAVING times the items."""
-    return triton.cdiv(max_query_len, 2 * ROWS.value // group) * num_seqs >= LIST_MIN_SAVING * num_items
+    return triton.cdiv(max_query_len, _block_q(group)) * num_seqs >= LIST_MIN_SAVING * num_items
 
 
 def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
@@ -360,16 +365,19 @@ def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, m
     as the longest: in a step of short chunks beside a few whole prompts, and one-query rows,
     most of its programs exit at once (35,264 programs, 2,048 of them with work, at 20 x 200
     after 700, 4 x 900 and 128 decodes: 1.28x FA3's time on an H100, docs/BENCHMARKS.md)."""
-    block_q = 2 * ROWS.value // group
+    if order not in ("keys", "rows"):
+        raise ValueError(f"plan_tiles' order is 'keys' or 'rows', got {order!r}")
+    block_q = _block_q(group)
     q_lens, totals = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
     rows = np.flatnonzero(q_lens >= max(min_q_len, 1))
     counts = _cdiv(q_lens[rows], block_q)
     seq = np.repeat(rows, counts)
     first = (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)) * block_q
-    key_tiles = _cdiv(totals[seq] - q_lens[seq], block_n) + _cdiv(np.minimum(first + block_q, q_lens[seq]), block_n)
-    if order not in ("keys", "rows"):
-        raise ValueError(f"plan_tiles' order is 'keys' or 'rows', got {order!r}")
-    ranked = np.argsort(-key_tiles, kind="stable") if order == "keys" else np.lexsort((-first, seq))
+    if order == "rows":
+        ranked = np.lexsort((-first, seq))
+    else:
+        key_tiles = _cdiv(totals[seq] - q_lens[seq], block_n) + _cdiv(np.minimum(first + block_q, q_lens[seq]), block_n)
+        ranked = np.argsort(-key_tiles, kind="stable")
     return np.stack([seq[ranked], first[ranked]], axis=1).astype(np.int32)
 
 
@@ -389,7 +397,7 @@ def prefill_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     as many programs or more; else (and without them) the full grid."""
     num_kv_heads = kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    grid = (triton.cdiv(max_query_len, 2 * ROWS.value // group), num_kv_heads, seq_lens.shape[0])
+    grid = (triton.cdiv(max_query_len, _block_q(group)), num_kv_heads, seq_lens.shape[0])
     if tiles is not None and not takes_list(max_query_len, seq_lens.shape[0], group, tiles.shape[0]):
         tiles = None
     if tiles is not None:
