@@ -61,18 +61,50 @@ def test_plan_tiles_of_no_row_long_enough_is_empty():
     assert plan.shape == (0, 2)
 
 
-def test_backend_plans_once_a_step_per_bound():
-    """Every layer of a step asks; the list is planned and uploaded once per min_q_len."""
+def _step_meta(query_lens, seq_lens):
     from kvserve.attention.metadata import AttentionMetadata
+    n = len(query_lens)
+    return AttentionMetadata(num_seqs=n, num_tokens=sum(query_lens), block_size=16,
+                             query_start_loc=torch.zeros(n + 1), seq_lens=torch.zeros(n), block_tables=[],
+                             slot_mappings=[], max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+
+
+def test_backend_plans_once_a_step_per_bound():
+    """Every layer of a step asks; the list is planned and uploaded once per min_q_len
+    (a 200- and a 900-token chunk beside 128 decodes: the grid would be mostly idle)."""
     from kvserve.attention.triton_backend import gluon_tile_list
-    meta = AttentionMetadata(num_seqs=3, num_tokens=1101, block_size=16, query_start_loc=torch.zeros(4),
-                             seq_lens=torch.zeros(3), block_tables=[], slot_mappings=[], max_query_len=900,
-                             max_seq_len=900, query_lens_cpu=[200, 1, 900], seq_lens_cpu=[900, 901, 900])
-    q, kv_cache = torch.empty(1101, 32, 128), torch.empty(2, 4, 16, 8, 128)
+    query_lens, seq_lens = [200] + [1] * 128 + [900], [900] + [901] * 128 + [900]
+    meta = _step_meta(query_lens, seq_lens)
+    q, kv_cache = torch.empty(sum(query_lens), 32, 128), torch.empty(2, 4, 16, 8, 128)
     first = gluon_tile_list(meta, q, kv_cache)(16)
     assert gluon_tile_list(meta, q, kv_cache)(16) is first
-    assert sorted(map(tuple, first.tolist())) == sorted(brute_force([200, 1, 900], [900, 901, 900], 4, 16, 128))
+    assert sorted(map(tuple, first.tolist())) == sorted(brute_force(query_lens, seq_lens, 4, 16, 128))
     assert gluon_tile_list(meta, q, kv_cache)(300).shape == (29, 2)   # only the 900-token row
+
+
+def test_backend_plans_nothing_where_the_grid_is_taken(monkeypatch):
+    """Where the launch takes its full grid (`takes_list` on the host lengths), the step gets
+    None and no list is planned or uploaded (the kernel would drop it)."""
+    from kvserve.attention.triton_backend import gluon_tile_list
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("planned a list the launch does not take")
+    monkeypatch.setattr(prefill_gluon, "plan_tiles", no_plan)
+    meta = _step_meta([200, 1, 900], [900, 901, 900])
+    q, kv_cache = torch.empty(1101, 32, 128), torch.empty(2, 4, 16, 8, 128)
+    assert gluon_tile_list(meta, q, kv_cache)(16) is None
+    assert gluon_tile_list(meta, q, kv_cache)(16) is None   # decided once, kept like a list
+
+
+def test_count_tiles_is_the_plans_length():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        query_lens = rng.integers(1, 700, size=int(rng.integers(1, 40))).tolist()
+        seq_lens = [n + int(rng.integers(0, 900)) for n in query_lens]
+        for group, min_q_len in ((4, 2), (8, 64), (2, 300)):
+            plan = prefill_gluon.plan_tiles(query_lens, seq_lens, group, min_q_len)
+            assert prefill_gluon.count_tiles(query_lens, group, min_q_len) == plan.shape[0]
 
 
 def test_list_taken_where_the_full_grid_mostly_idles():

@@ -62,21 +62,28 @@ class TritonAttentionBackend:
                                tile_list=gluon_tile_list(meta, q, kv_cache) if fresh_kv is not None else None)
 
 
-def gluon_tile_list(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[[int], torch.Tensor]:
+def gluon_tile_list(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor) -> Callable[[int], torch.Tensor | None]:
     """The Gluon prefill kernel's work items for the step's prompt rows of at least n query
     tokens (`prefill_gluon.plan_tiles`), planned from the host lengths and uploaded once a step
-    (every layer's launch reads the same list; kept in `meta.scratch`)."""
+    (every layer's launch reads the same list; kept in `meta.scratch`). None where the launch
+    would take its full grid anyway (`takes_list` on the host lengths): nothing is planned."""
     group = q.shape[1] // kv_cache.shape[3]
 
-    def tiles(min_q_len: int) -> torch.Tensor:
+    def tiles(min_q_len: int) -> torch.Tensor | None:
         key = ("gluon_tiles", group, min_q_len)
         if key not in meta.scratch:
-            from kvserve.attention.kernels.prefill_gluon import plan_tiles
-            from kvserve.runner.batch import upload   # pinned, non-blocking: no wait for the step in flight
-            meta.scratch[key] = upload(torch.from_numpy(plan_tiles(meta.query_lens_cpu, meta.seq_lens_cpu, group,
-                                                                   min_q_len)), q.device)
+            meta.scratch[key] = _planned_tiles(meta, group, min_q_len, q.device)
         return meta.scratch[key]
     return tiles
+
+
+def _planned_tiles(meta: AttentionMetadata, group: int, min_q_len: int, device: torch.device) -> torch.Tensor | None:
+    from kvserve.attention.kernels.prefill_gluon import count_tiles, plan_tiles, takes_list
+    from kvserve.runner.staging import upload   # pinned, non-blocking: no wait for the step in flight
+    items = count_tiles(meta.query_lens_cpu, group, min_q_len)
+    if not takes_list(meta.max_query_len, len(meta.seq_lens_cpu), group, items):
+        return None
+    return upload(torch.from_numpy(plan_tiles(meta.query_lens_cpu, meta.seq_lens_cpu, group, min_q_len)), device)
 
 
 def _takes_fresh_kv(meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor,

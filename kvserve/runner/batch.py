@@ -219,15 +219,3 @@ def pad_tables(tables: list[list[int]], width: int | None = None) -> torch.Tenso
     out = np.zeros((len(tables), width), dtype=np.int32)
     out[np.arange(width) < lengths[:, None]] = flat
     return torch.from_numpy(out)
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the stream. On CUDA a
-    plain `.to(device)` (or `torch.tensor(..., device=...)`) synchronises the
-    host with the stream, i.e. makes it wait for the step in flight; pinned +
-    non-blocking does not. Not through a `StagingRing`: a step makes any number
-    of these small uploads (per-request sampler state at admission), more than a
-    fixed ring holds in flight; torch's pinned allocator keeps a block per copy."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

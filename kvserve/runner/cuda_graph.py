@@ -89,7 +89,7 @@ class WorkLists:
         ide-completion rows, 1 at 256). This is the buffer's only writer, so what it holds is
         the last write's list, whatever was captured or replayed since."""
         from kvserve.attention.kernels.decode_work import plan_splits, work_layout
-        from kvserve.runner.batch import upload
+        from kvserve.runner.staging import upload
         cap = self.capacity(num_seqs)
         splits = plan_splits(keys, *self.shape, cap)
         if cap == self._held[0] and np.array_equal(splits, self._held[1]):

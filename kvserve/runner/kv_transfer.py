@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.cache.host_tier import BlockCopy, CopyBatch
-from kvserve.runner.batch import upload
+from kvserve.runner.staging import upload
 
 HOST_CHUNK_BYTES = 1 << 30
 # Bounds the GPU staging buffer of one batch of copies.

@@ -21,7 +21,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvserve.runner.batch import ModelInputs, prepare_inputs, upload
+from kvserve.runner.batch import ModelInputs, prepare_inputs
+from kvserve.runner.staging import upload
 from kvserve.cache.host_tier import CopyBatch
 from kvserve.runner.cuda_graph import DecodeGraphs
 from kvserve.runner.kv_transfer import KVTransfer

@@ -28,7 +28,7 @@ import torch
 
 from kvserve.outputs import PromptLogprobRow
 from kvserve.request import Request
-from kvserve.runner.batch import upload
+from kvserve.runner.staging import upload
 from kvserve.runner.sampler import _to_host_async
 from kvserve.scheduler import ScheduledRequest
 

@@ -17,7 +17,7 @@ from operator import and_, attrgetter, or_
 
 import torch
 
-from kvserve.runner.batch import upload
+from kvserve.runner.staging import upload
 from kvserve.runner.staging import current_stream
 from kvserve.sampling_params import SamplingParams
 

@@ -10,7 +10,8 @@ all; a step whose batch changed takes the slot's layout for those shapes if
 it made one before, else slices its views from the slot's layout for that
 size rounded up, made once. On the H200's host, building the views each step
 cost ~90 us at 256 running requests, and `torch.cuda.current_stream` ~30 us a
-call (`current_stream` here looks it up by its raw handle instead).
+call (`current_stream` here looks it up by its raw handle instead). `upload` moves
+one small host tensor the same way (pinned, no wait for the stream), outside the ring.
 """
 from __future__ import annotations
 
@@ -38,6 +39,18 @@ def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch
 
 
 _RINGS: dict[torch.device, "StagingRing"] = {}   # one per device
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream. On CUDA a
+    plain `.to(device)` (or `torch.tensor(..., device=...)`) synchronises the
+    host with the stream, i.e. makes it wait for the step in flight; pinned +
+    non-blocking does not. Not through a `StagingRing`: a step makes any number
+    of these small uploads (per-request sampler state at admission), more than a
+    fixed ring holds in flight; torch's pinned allocator keeps a block per copy."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Layout(NamedTuple):

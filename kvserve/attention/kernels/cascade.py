@@ -37,6 +37,7 @@ import triton.language as tl
 from kvserve.attention.kernels.common import dot_precision, env_switch, group_queries, split_range, store_split
 from kvserve.attention.kernels.decode import (LOG2E, DecodeConfig, _attend_and_store_newest, _attend_cached,
                                               _decode_reduce_kernel, plan_splits, sm_count)
+from kvserve.runner.staging import upload
 
 ENV = "KVSERVE_CASCADE"
 MAX_MEMBERS = 16   # members a prefix program holds: 16 x a GQA group of 4 = 64 query rows
@@ -126,13 +127,7 @@ def build_plan(rows, seq_lens, page: int, device, groups: list[tuple[list[int], 
                              "cpu")
     buffers.write(groups, as_table(rows), len(seq_lens), page)
     plan = buffers.plan(len(seq_lens), len(groups))
-    return CascadePlan(*(_upload(t, torch.device(device)) for t in (plan.tables, plan.lens, plan.members, plan.skip)))
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """On CUDA through pinned memory, non-blocking: a plain `.to` from pageable memory may make the
-    host wait for the step in flight (as `runner.batch.upload`)."""
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return CascadePlan(*(upload(t, torch.device(device)) for t in (plan.tables, plan.lens, plan.members, plan.skip)))
 
 
 class CascadeBuffers:

@@ -120,7 +120,7 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     cached_prefixes: bool = True, paged_below: int = 0,
                     longest_paged: int = 0, decode_work=None,
-                    tile_list: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+                    tile_list: Callable[[int], torch.Tensor | None] | None = None) -> torch.Tensor:
     """q/out: [T, H, D]; lengths as `prefill_attention`'s, `max_seq_len` the
     longest context (a bound under CUDA graphs, like `max_query_len`); `tiles`
     are built for `prefill_config`'s query tile. Without tiles and a config of
@@ -158,7 +158,7 @@ def mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
 
 def _tma_prefill(q, fresh_kv, kv_cache, out, block_table, query_start_loc, seq_lens, max_query_len: int,
                  scale: float, cached_prefixes: bool, split: int, paged_below: int,
-                 tile_list: Callable[[int], torch.Tensor] | None = None) -> None:
+                 tile_list: Callable[[int], torch.Tensor | None] | None = None) -> None:
     """The TMA path's kernel over the prompt rows of `split` tokens or more: Gluon where it
     serves the launch (with cached prefixes, only when shorter chunks are sent elsewhere:
     `short_chunk_bound`), else Triton's."""

@@ -355,6 +355,13 @@ def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
     return -(-a // b)
 
 
+def count_tiles(query_lens: Sequence[int], group: int, min_q_len: int = 2) -> int:
+    """How many items `plan_tiles` would plan: the query tiles of the rows of at least
+    `min_q_len` query tokens (so the host can ask `takes_list` before planning any)."""
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    return int(_cdiv(q_lens[q_lens >= max(min_q_len, 1)], _block_q(group)).sum())
+
+
 def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, min_q_len: int = 2,
                block_n: int = GluonPrefillConfig.block_n, order: str = "rows") -> np.ndarray:
     """A launch's work items on the host: (sequence, first query token) of every query tile of

@@ -24,7 +24,8 @@ from kvserve.model.deepseek_v4.graphs import V4Graphs, V4Step, capture_sizes, co
 from kvserve.model.deepseek_v4.loader import DUMMY_CONFIGS, DUMMY_PREFIX, dummy_config, load_deepseek_v4
 from kvserve.model.deepseek_v4.paged import PagedSequenceKV
 from kvserve.request import Request
-from kvserve.runner.batch import ModelInputs, pad_tables, upload
+from kvserve.runner.batch import ModelInputs, pad_tables
+from kvserve.runner.staging import upload
 from kvserve.runner.model_runner import EAGER_DRAIN_TOKENS, ModelRunner
 from kvserve.runner.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
