@@ -2,7 +2,9 @@
 ide-completion from `kvserve.bench.workloads` (seed 0; `--seeds` repeats them with other
 prompts), as token ids from one tokenizer, through kvserve's or vLLM's `LLM.generate` (greedy,
 ignore_eos, each request's own max_tokens), each scenario timed on its own after one warm-up
-request.
+request. Each scenario's line and JSON also carry the GPU's mean clocks, power and peak
+temperature over its window (`gpu_state.py`; none without nvidia-smi): times compare only at
+like clocks.
 
 Each scenario goes in as one batch, code review's later turns included (they share the earlier
 turns' text as a prompt prefix). `--turn-waves` orders a review's turns instead: wave k holds every
@@ -21,11 +23,16 @@ import atexit
 import itertools
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from kvserve.bench.serve import token_id_prompts
 from kvserve.bench.workloads import SCENARIOS, WorkloadGenerator, WorkloadRequest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_state import GpuStateLog  # noqa: E402
 
 DEFAULT_COUNTS = {"qa": 256, "long-doc": 32, "code-review": 32, "ide-completion": 256}
 ENGINE_ARGS = dict(max_model_len=8192, gpu_memory_utilization=0.85, max_num_batched_tokens=8192)
@@ -135,33 +142,53 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
            else vllm_runner(a.model_dir))
     warm = scenario_requests("qa", 1, a.model_dir)
     run(warm)
-    results = {}
-    for seed, name in [*itertools.product(a.seeds, a.scenarios), *a.also]:
-        requests = scenario_requests(name, DEFAULT_COUNTS[name] if a.num_prompts is None else a.num_prompts,
-                                     a.model_dir, seed)
-        key = name if seed == 0 else f"{name}@{seed}"
-        r = results[key] = time_scenario(run, requests, a.turn_waves)
-        print(f"{a.engine:8s} {key:17s} {r['requests']:5d} req {r['prompt_tokens']:8d} in "
-              f"{r['output_tokens']:8d} out {r['seconds']:8.2f} s {r['output_tokens'] / r['seconds']:9.1f} out tok/s",
-              flush=True)
+    gpu, results = GpuStateLog.start(), {}
+    try:
+        for seed, name in [*itertools.product(a.seeds, a.scenarios), *a.also]:
+            requests = scenario_requests(name, DEFAULT_COUNTS[name] if a.num_prompts is None else a.num_prompts,
+                                         a.model_dir, seed)
+            key = name if seed == 0 else f"{name}@{seed}"
+            mark = gpu.mark()
+            r = results[key] = time_scenario(run, requests, a.turn_waves)
+            r["gpu"] = gpu.summary(mark)
+            print(f"{a.engine:8s} {key:17s} {r['requests']:5d} req {r['prompt_tokens']:8d} in "
+                  f"{r['output_tokens']:8d} out {r['seconds']:8.2f} s {r['output_tokens'] / r['seconds']:9.1f} out tok/s"
+                  f"{gpu_text(r['gpu'])}", flush=True)
+    finally:
+        gpu.stop()
     weights = a.dummy_init if a.engine == "kvserve" else "vllm"
     return {"engine": a.engine, "dummy_weights": weights, "scenarios": results}
+
+
+def gpu_text(state: dict[str, float]) -> str:
+    """A window's GPU state (`gpu_state.GpuStateLog.summary`) as a line's tail; '' without one."""
+    if not state:
+        return ""
+    return (f"  SM {state['sm_mhz']:.0f} MHz (min {state['sm_mhz_min']:.0f}) {state['power_w']:.0f} W "
+            f"max {state['temp_c_max']:.0f} C")
 
 
 def compare(paths: list[str]) -> None:
     """The table of two result files: each scenario's seconds and the first's time over the second's."""
     first, second = (json.load(open(p)) for p in paths)
     e1, e2 = first["engine"], second["engine"]
-    print(f"| scenario | requests | {e1} s | {e2} s | {e1} / {e2} time |\n|---|---|---|---|---|")
+    print(f"| scenario | requests | {e1} s | {e2} s | {e1} / {e2} time | SM MHz, mean ({e1} / {e2}) | "
+          f"W, mean | max C |\n|---|---|---|---|---|---|---|---|")
     for name, r1 in first["scenarios"].items():
         r2 = second["scenarios"].get(name)
         if r2 is None:
             continue
         if (r1["output_tokens"], r1["prompt_tokens"]) != (r2["output_tokens"], r2["prompt_tokens"]):
-            print(f"| {name} | token counts differ: {r1} vs {r2} | | | |")
+            print(f"| {name} | token counts differ: {r1} vs {r2} | | | | | | |")
             continue
         print(f"| {name} | {r1['requests']} | {r1['seconds']:.2f} | {r2['seconds']:.2f} | "
-              f"{r1['seconds'] / r2['seconds']:.3f}x |")
+              f"{r1['seconds'] / r2['seconds']:.3f}x | {_pair(r1, r2, 'sm_mhz')} | {_pair(r1, r2, 'power_w')} | "
+              f"{_pair(r1, r2, 'temp_c_max')} |")
+
+
+def _pair(r1: dict, r2: dict, key: str) -> str:
+    """Both runs' GPU figure `key` as "a / b" ("-" for a run without it: older files, no nvidia-smi)."""
+    return " / ".join(f"{r['gpu'][key]:.0f}" if r.get("gpu") else "-" for r in (r1, r2))
 
 
 def seeded_scenario(text: str) -> tuple[int, str]:

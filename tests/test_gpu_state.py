@@ -1,0 +1,81 @@
+"""benchmarks/gpu_state.py: the GPU's state over a timed window, read from a sampler process's log
+(here a stand-in for nvidia-smi that prints known lines), and offline_scenarios' table of it."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_state = _load("gpu_state")
+
+# Prints two samples, waits for the file "go" to exist, then prints two more and a line cut short.
+SAMPLER = """
+import os, sys, time
+print("1980, 3201, 50, 400.5"); print("1900, 3201, 52, 500.5", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+print("[N/A], 3201, 60, 600"); print("1500, 3201, 61, 700.0"); print("1700, 3201, 63, 680.0")
+sys.stdout.write("1600, 32"); sys.stdout.flush()
+time.sleep(60)
+"""
+
+
+def _samples(log, since, count):
+    deadline = time.monotonic() + 10
+    while log.summary(since).get("samples", 0) < count:
+        assert time.monotonic() < deadline, "the sampler's lines never came"
+        time.sleep(0.02)
+    return log.summary(since)
+
+
+def test_a_window_averages_only_the_samples_written_in_it(tmp_path):
+    go = tmp_path / "go"
+    log = gpu_state.GpuStateLog.start(command=[sys.executable, "-c", SAMPLER, str(go)])
+    try:
+        first = _samples(log, 0, 2)
+        assert first == {"samples": 2, "sm_mhz": 1940.0, "sm_mhz_min": 1900.0, "mem_mhz": 3201.0,
+                         "power_w": 450.5, "temp_c_max": 52.0}
+        mark = log.mark()
+        go.touch()
+        time.sleep(0.3)   # the cut-off line is written by now, and must not count
+        second = _samples(log, mark, 2)
+        assert second == {"samples": 2, "sm_mhz": 1600.0, "sm_mhz_min": 1500.0, "mem_mhz": 3201.0,
+                          "power_w": 690.0, "temp_c_max": 63.0}
+        assert _samples(log, 0, 4)["samples"] == 4
+    finally:
+        log.stop()
+    assert not log.on and log.summary(0) == {}
+
+
+def test_without_nvidia_smi_the_log_is_off(monkeypatch):
+    monkeypatch.setattr(gpu_state.shutil, "which", lambda name: None)
+    log = gpu_state.GpuStateLog.start()
+    assert not log.on and log.mark() == 0 and log.summary(0) == {}
+    log.stop()
+
+
+def test_the_comparison_shows_both_runs_clocks(tmp_path, capsys):
+    pytest.importorskip("kvserve.bench.workloads")
+    offline = _load("offline_scenarios")
+    gpu = {"samples": 9, "sm_mhz": 1755.4, "sm_mhz_min": 1600, "mem_mhz": 3201, "power_w": 612.2, "temp_c_max": 71}
+    run = {"requests": 4, "prompt_tokens": 40, "output_tokens": 8, "seconds": 2.0}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(offline.json.dumps({"engine": "kvserve", "scenarios": {"qa": {**run, "gpu": gpu}}}))
+    b.write_text(offline.json.dumps({"engine": "vllm", "scenarios": {"qa": {**run, "seconds": 2.5}}}))
+    offline.compare([str(a), str(b)])
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row == "| qa | 4 | 2.00 | 2.50 | 0.800x | 1755 / - | 612 / - | 71 / - |"
+    assert offline.gpu_text(gpu) == "  SM 1755 MHz (min 1600) 612 W max 71 C" and offline.gpu_text({}) == ""
