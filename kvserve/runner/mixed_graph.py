@@ -27,8 +27,8 @@ import torch
 
 from kvserve.attention.kernels.prefill import PrefillConfig, tile_table
 from kvserve.attention.metadata import AttentionMetadata, PrefillTiles
-from kvserve.runner.staging import upload
 from kvserve.runner.cuda_graph import WorkLists, capture_graph
+from kvserve.runner.staging import upload
 
 logger = logging.getLogger(__name__)
 

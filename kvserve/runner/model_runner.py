@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from kvserve.runner.batch import ModelInputs, prepare_inputs
-from kvserve.runner.staging import upload
 from kvserve.cache.host_tier import CopyBatch
 from kvserve.runner.cuda_graph import DecodeGraphs
 from kvserve.runner.kv_transfer import KVTransfer
 from kvserve.runner.prompt_logprobs import PendingPromptLogprobs, PromptLogprobs
 from kvserve.request import PENDING_TOKEN
 from kvserve.runner.sampler import PendingSample, Sampler, SamplerOutput
+from kvserve.runner.staging import upload
 from kvserve.scheduler import ScheduledRequest, SchedulerOutput, row_request_id
 
 logger = logging.getLogger(__name__)

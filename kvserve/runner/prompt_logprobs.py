@@ -28,8 +28,8 @@ import torch
 
 from kvserve.outputs import PromptLogprobRow
 from kvserve.request import Request
-from kvserve.runner.staging import upload
 from kvserve.runner.sampler import _to_host_async
+from kvserve.runner.staging import upload
 from kvserve.scheduler import ScheduledRequest
 
 # Prompt rows per logits pass: 512 x a 152K vocabulary is ~300 MB of float32.

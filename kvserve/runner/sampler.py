@@ -17,8 +17,7 @@ from operator import and_, attrgetter, or_
 
 import torch
 
-from kvserve.runner.staging import upload
-from kvserve.runner.staging import current_stream
+from kvserve.runner.staging import current_stream, upload
 from kvserve.sampling_params import SamplingParams
 
 UINT64_MASK = 2 ** 64 - 1

@@ -25,9 +25,9 @@ from kvserve.model.deepseek_v4.loader import DUMMY_CONFIGS, DUMMY_PREFIX, dummy_
 from kvserve.model.deepseek_v4.paged import PagedSequenceKV
 from kvserve.request import Request
 from kvserve.runner.batch import ModelInputs, pad_tables
-from kvserve.runner.staging import upload
 from kvserve.runner.model_runner import EAGER_DRAIN_TOKENS, ModelRunner
 from kvserve.runner.sampler import Sampler
+from kvserve.runner.staging import upload
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import PreemptionCosts, ScheduledRequest, Scheduler, SchedulerOutput
 
