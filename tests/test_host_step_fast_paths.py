@@ -188,6 +188,8 @@ def test_a_decode_streak_goes_on_without_the_rows_that_left():
     assert step.request_ids == ["a", "c", "d"] and step.lefts.tolist() == [2, 4, 5] and step.min_left == 2
     assert step.previous_rows[0] is s.request_ids and step.previous_rows[1].tolist() == [0, 2, 3]
     assert step.num_idle == 0
+    step = s.next_step([b, d], 4, [c, a])   # two leave at once, apart: each row's own index goes
+    assert [r.request for r in step.rows] == [b, d] and step.previous_rows[1].tolist() == [1, 3]
     step = streak(lefts=(3, 1, 5, 6)).next_step([a, b, c, d], 4)   # b's last token is in flight: it idles
     assert [r.request for r in step.rows] == [a, c, d] and step.num_idle == 1
     assert step.previous_rows[1].tolist() == [0, 2, 3]
