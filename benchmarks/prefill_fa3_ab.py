@@ -26,7 +26,11 @@ from prefill_headroom import HEAD_DIM
 from tma_kernel_ab import step_inputs, timed_us
 
 DECODES = [(899, 1)] * 128   # one-query rows at ~900 keys, as the scenario's decodes beside its prefill
+# The grid launches 1.0x to 17x the list's programs across these steps ("grid/list" in each row);
+# 32 and 96 decodes put two steps between 1x and the 4.2x of 128 (`LIST_MIN_SAVING` is 4).
 STEPS = {"9 x 900": [(0, 900)] * 9, "40 x 200 after 700": [(700, 200)] * 40,
+         "40 x 200 after 700 + 32 decodes": [(700, 200)] * 40 + DECODES[:32],
+         "40 x 200 after 700 + 96 decodes": [(700, 200)] * 40 + DECODES[:96],
          "40 x 200 after 700 + 128 decodes": [(700, 200)] * 40 + DECODES,
          "20 x 200 after 700 + 4 x 900 + 128 decodes": [(700, 200)] * 20 + [(0, 900)] * 4 + DECODES,
          "32 x 64 after 700": [(700, 64)] * 32, "8 x 1024": [(0, 1024)] * 8, "1 x 8192": [(0, 8192)],
@@ -52,6 +56,13 @@ def work_list(rows: list[tuple[int, int]], group: int, order: str = "rows"):
             made[n] = torch.from_numpy(plan_tiles(query_lens, seq_lens, group, n, order=order)).cuda()
         return made[n]
     return tiles
+
+
+def grid_over_list(rows: list[tuple[int, int]], group: int) -> float:
+    """The full grid's programs over the list's (rows of 2+ query tokens), `takes_list`'s ratio."""
+    query_lens = [n for _, n in rows]
+    grid = -(-max(query_lens) // prefill_gluon._block_q(group)) * len(rows)
+    return grid / max(prefill_gluon.count_tiles(query_lens, group, 2), 1)
 
 
 def always_listed(run):
@@ -91,7 +102,8 @@ def compare(label: str, rows: list[tuple[int, int]], flash) -> None:
     diff = max(((out.float() - ref).norm() / ref.norm()).item() for out in outs[:4])
     us = [timed_us(run) for run in runs] + [float("nan")] * (5 - len(runs))
     print(f"{label:<44} kvserve {us[0]:7.1f}  grid {us[1]:7.1f}  list/keys {us[2]:7.1f}  list/rows {us[3]:7.1f}  "
-          f"FA3 {us[4]:7.1f} us  kvserve/FA3 {us[0] / us[4]:.3f}  rel diff {diff:.1e}", flush=True)
+          f"FA3 {us[4]:7.1f} us  kvserve/FA3 {us[0] / us[4]:.3f}  rel diff {diff:.1e}  "
+          f"grid/list {grid_over_list(rows, group):.1f}x", flush=True)
 
 
 def main() -> None:
