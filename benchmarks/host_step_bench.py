@@ -41,6 +41,12 @@ against the garbage collector); `--as-built` leaves it as built, as the
 records before this set-up measured. `--wait-mode` sets how the engine's thread waits for the
 GPU (`kvserve/runner/cuda_wait.py`; records before 2026-12-04 ran CUDA's default, "auto").
 
+After the table a line says what else ran during each count's timed steps: this process's
+involuntary context switches a step, the machine's steal time (a VM's vCPUs kept waiting), and
+the core the engine's thread last ran on with its clock. The same code on the same H200 host has
+read 989 and 1,448 us at 256 in two processes (docs/BENCHMARKS.md); these say which of those
+causes, if any, differed.
+
 Requests are staggered in prompt length so block-boundary allocations spread
 over steps as they do in a server, and every timed step is a decode of all N.
 """
@@ -251,18 +257,74 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
     core = prepare(engine, a, n)
     stagger_limits(engine, a.finish_per_step)
     samples, rng = [], random.Random(1)
+    before = host_counters()
     for _ in range(a.steps):
         leave(engine, a.leave_per_step, rng)
         samples.append(timed_step(engine, core, timer))
+    state = host_state(before, host_counters(), a.steps)
     # Median (robust to another process taking the CPU for a step) or, on a
     # busy shared machine, each part's best step.
     stat = statistics.median if a.stat == "median" else min
     row = {part: stat(s[part] for s in samples) / 1e3 for part in samples[0] if ":" not in part}
     row["free"] = time_frees(engine)
+    row.update(state)
     inner = {k for s in samples for k in s if ":" in k}   # `--parts`: means, a call need not come every step
     row.update({k: sum(s.get(k, 0) for s in samples) / len(samples) / (1 if k.startswith("calls:") else 1e3)
                 for k in inner})
     return row
+
+
+def host_counters() -> dict[str, float]:
+    """What the host did besides this bench, so far: this process's involuntary context switches
+    (another thread or process took its core), the machine's CPU time and its steal time (a VM's
+    vCPUs waiting for the physical CPU) in jiffies, and the core this thread last ran on (-1 where
+    /proc lacks them: not Linux)."""
+    counters = {"ivcsw": float(resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw), "cpu": 0.0, "steal": 0.0,
+                "core": -1.0}
+    try:
+        with open("/proc/stat") as f:
+            counters["cpu"], counters["steal"] = cpu_times(f.readline())
+        with open("/proc/thread-self/stat") as f:
+            counters["core"] = float(last_core(f.read()))
+    except (OSError, ValueError, IndexError):
+        pass
+    return counters
+
+
+def cpu_times(line: str) -> tuple[float, float]:
+    """(all, steal) jiffies of /proc/stat's first line: user nice system idle iowait irq softirq steal."""
+    fields = [float(x) for x in line.split()[1:9]]
+    return sum(fields), fields[7]
+
+
+def last_core(stat: str) -> int:
+    """The `processor` field (39th) of a /proc/<pid>/stat line; the name (2nd) may hold spaces."""
+    return int(stat[stat.rindex(")") + 2:].split()[36])
+
+
+def core_mhz(core: int) -> float:
+    """The core's clock as /proc/cpuinfo reports it now (-1 if unknown; many VMs report a constant)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            blocks = f.read().split("\n\n")
+    except OSError:
+        return -1.0
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if fields.get("processor") == str(core) and "cpu MHz" in fields:
+            return float(fields["cpu MHz"])
+    return -1.0
+
+
+def host_state(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    """Over the timed steps: involuntary context switches a step, the machine's steal time in % of
+    its CPU time, the core last run on and its MHz (host-state columns of the printed table)."""
+    cpu = after["cpu"] - before["cpu"]
+    core = int(after["core"])
+    return {"ivcsw": (after["ivcsw"] - before["ivcsw"]) / max(steps, 1),
+            "steal_pct": 100.0 * (after["steal"] - before["steal"]) / cpu if cpu > 0 else float("nan"),
+            "core": core, "mhz": core_mhz(core) if core >= 0 else -1.0}
 
 
 def leave(engine: LLMEngine, count: int, rng: random.Random) -> None:
@@ -346,6 +408,9 @@ def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
     print("free (us, median): a request's KV freed after the timed steps, its decode-filled blocks "
           "offered to the prefix cache (once per finished request; not in the steps): "
           + ", ".join(f"{r['free']:.1f} at {n}" for n, r in rows.items()))
+    print("host state over the timed steps (what else ran): " + "; ".join(
+        f"{n}: {r['ivcsw']:.2f} involuntary context switches a step, machine steal {r['steal_pct']:.1f}%, "
+        f"last on core {r['core']} at {r['mhz']:.0f} MHz" for n, r in rows.items()))
     print(f"microseconds per step ({stat} over the timed steps); + serving's engine core adds it to every step "
           "(not in host_total); * not host bookkeeping: forward/sampling launch (CPU: the compute) and the wait "
           "for the step in flight; # minor page faults in the step and its metrics (the memory the host's "
