@@ -396,3 +396,14 @@ def test_the_engine_pads_its_batch_tables_within_max_model_len_and_decodes_the_s
     assert outputs[0] == outputs[1] and all(len(o) == 40 for o in outputs[0])
     assert widths[23] <= {16, 23} and 23 in widths[23], widths
     assert len(widths[None]) > 5, widths
+
+
+def test_rows_are_taken_lowest_first_and_the_table_grows_only_when_all_are_held():
+    """Four rows for eight requests: one doubling, after which every new row is used before
+    the next (a growth that freed only some of its rows would double again at the sixth)."""
+    from kvserve.cache.block_table_rows import BlockTableRows
+    rows = BlockTableRows(num_groups=1, rows=4)
+    assert [rows.row(str(i)) for i in range(8)] == list(range(8))
+    assert rows._tables[0].shape[0] == 8
+    rows.release("2")
+    assert rows.row("new") == 2 and rows._tables[0].shape[0] == 8

@@ -861,3 +861,19 @@ def test_group_layer_maps():
     assert kv.layer_to_group == [0, 2, 0, 2, 1] and kv.layer_to_slot == [0, 0, 1, 1, 0]
     assert kv.group_size == 2
     assert KVCacheGroup(FULL, [3, 1]).layer_ids == (3, 1)
+
+
+def test_each_evicted_block_saved_counts_once():
+    """`HostTier.save` of three distinct evicted blocks: three copies queued into three slots,
+    `num_saves` 3 (the count the metrics export); the same block again is a dedup, not a save."""
+    host = HostTier(4, block_bytes=100)
+    blocks = []
+    for i in range(3):
+        block = KVBlock(10 + i)
+        block.cache_group, block.block_hash = 0, bytes([i])
+        block.content = BlockContent(None, (i,), i)
+        blocks.append(block)
+        host.save(block)
+    assert [(c.gpu_block, c.host_slot) for c in host.pending] == [(10, 0), (11, 1), (12, 2)]
+    host.save(blocks[1])
+    assert (host.num_saves, host.num_save_dedups, host.num_cached) == (3, 1, 3)

@@ -186,4 +186,6 @@ def test_a_roomless_row_inside_its_block_stops_the_openings_and_takes_the_genera
     assert all(managers[1].allocate_slots(r, 1) for r in walks[1])
     assert [len(managers[0].get_block_ids(r)[0]) for r in "012"] == [2, 2, 3]
     assert [managers[0].get_block_ids(r) for r in "012"] == [managers[1].get_block_ids(r) for r in "012"]
+    # and each row's end: row 0 opened its block before the run was left, so it is one further too
+    assert managers[0]._num_tokens == managers[1]._num_tokens == {"0": 5, "1": 7, "2": 9}
     managers[0].check_integrity()
