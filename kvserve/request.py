@@ -52,6 +52,9 @@ class Request:
     sampling_params: SamplingParams
     prompt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    # vLLM's `cache_salt`: mixed into the first block's hash, so only requests with the same
+    # salt share cached prefixes (a tenant's boundary); None shares with every unsalted request.
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

@@ -127,6 +127,24 @@ def test_hash_block_is_chained_and_keyed():
     assert request.block_hashes == chain[1:]
 
 
+def test_a_cache_salt_is_block_0_s_parent():
+    """vLLM's `cache_salt`: salted chains differ from the unsalted one and from another
+    salt's at every block (block 0's parent is the salt's root), and equal the same salt's."""
+    def chain(salt, tokens=tuple(range(12))):
+        r = Request("r", list(tokens), SamplingParams(max_tokens=8), cache_salt=salt)
+        hashing.extend_block_hashes(r, 4)
+        return r.block_hashes
+    plain, a, b = chain(None), chain("a"), chain("b")
+    assert chain("a") == a and len(a) == 3
+    assert all(x != y and x != z and y != z for x, y, z in zip(plain, a, b))
+    assert a[0] == hashing.hash_block(hashing.salt_root("a"), [0, 1, 2, 3]) and hashing.salt_root(None) is None
+    assert a[2] == hashing.hash_block(a[1], [8, 9, 10, 11])
+    # block_contents hashes the same chain (a request whose blocks are cached as they fill)
+    r = Request("r", list(range(12)), SamplingParams(max_tokens=8), cache_salt="a")
+    hashing.block_contents(r, 0, 3, 4)
+    assert r.block_hashes == a
+
+
 @pytest.mark.parametrize("hot_fraction, hits_left", [(0.5, [0, 0, 1, 1]), (0.25, [0, 0, 0, 1]),
                                                       (1.0, [1, 1, 1, 1])])
 def test_hot_segment_keeps_its_share_of_the_free_blocks(hot_fraction, hits_left):

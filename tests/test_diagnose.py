@@ -206,7 +206,7 @@ def test_recorder_reuse_matches_longest_common_prefix():
     prompts = [base[:n] + _tokens(rng, m) for n, m in ((0, 120), (37, 40), (100, 3), (150, 0), (64, 64), (5, 90))]
     recorder = RequestRecorder(block_size=16)
     for p in prompts:
-        recorder.on_arrival(SimpleNamespace(prompt_token_ids=p))
+        recorder.on_arrival(SimpleNamespace(prompt_token_ids=p, cache_salt=None))
 
     def common(a, b):
         n = 0
@@ -220,3 +220,9 @@ def test_recorder_reuse_matches_longest_common_prefix():
             expect += min(shared // b * b, (len(p) - 1) // b * b)
         assert recorder.reusable_tokens[b] == expect, b
     assert recorder.as_dict()["prefix_reusable_tokens"] == recorder.reusable_tokens[16] > 0
+    # a salted prompt reuses nothing of the unsalted ones (the cache keeps them apart), then its own salt's
+    before = recorder.reusable_tokens[16]
+    recorder.on_arrival(SimpleNamespace(prompt_token_ids=base, cache_salt="tenant"))
+    assert recorder.reusable_tokens[16] == before
+    recorder.on_arrival(SimpleNamespace(prompt_token_ids=base + [1], cache_salt="tenant"))
+    assert recorder.reusable_tokens[16] == before + 144

@@ -217,3 +217,24 @@ def test_default_token_budget_follows_vllm():
     assert EngineArgs(max_num_batched_tokens=512).scheduler_config(4096, h200).max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="usage must be one of llm, server, got 'batch'"):
         EngineArgs(usage="batch")
+
+
+def test_cache_salt_keeps_prefixes_apart(llm):
+    """vLLM's `cache_salt` in a prompt dict: a prompt cached under one salt is a hit for
+    the same salt only, not for another salt or none; a salt must be a non-empty string."""
+    prompt = random_prompts([64], seed=31)[0]
+
+    def cached(**salt):
+        return llm.generate([{"prompt_token_ids": prompt + [5], **salt}], GREEDY, use_tqdm=False)[0].num_cached_tokens
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached(cache_salt="tenant-a") == 64 and cached(cache_salt="tenant-b") == 64 and cached() == 64
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            cached(cache_salt=bad)
+
+
+def test_unknown_prompt_dict_keys_are_refused(llm):
+    with pytest.raises(ValueError, match=r"\['multi_modal_data'\] are not supported"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3], "multi_modal_data": {}}], GREEDY, use_tqdm=False)

@@ -69,12 +69,32 @@ def _token_ids(server, text: str) -> list[int]:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions"),
+    ("/v1/completions", {"prompt": "Hello", "cache_salt": ""}, "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": 7}, "cache_salt"),
 ])
 def test_out_of_range_and_unknown_fields_are_400_naming_the_field(server, path, body, param):
     error = _error(_post(server, path, {"model": MODEL, **body}), 400)
     assert error["param"] == param, error
     assert not error["message"].startswith("Value error")
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(server):
+    """vLLM's `cache_salt`: the usage's cached tokens show a prompt cached under one salt hit
+    by the same salt only (on both endpoints)."""
+    prompt = _token_ids(server, "A cache salt keeps one tenant's prefix out of another's reach. " * 6)
+
+    def cached(path, **salt):
+        body = {"model": MODEL, "max_tokens": 1, **salt}
+        body.update({"prompt": prompt} if path == "/v1/completions" else
+                    {"messages": [{"role": "user", "content": "salted " * 60}]})
+        response = _post(server, path, body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert cached(path, cache_salt="tenant-a") == 0
+        assert cached(path, cache_salt="tenant-b") == 0 and cached(path) == 0
+        assert cached(path, cache_salt="tenant-a") > 0 and cached(path) > 0
 
 
 async def _stream_tokens(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int, **kw):

@@ -6,7 +6,9 @@ same token slice as its hash). Block i's hash covers block i-1's hash, block
 i's token ids and the engine's extra keys (model, LoRA, ...), so equal hashes
 imply equal prefixes up to a 128-bit collision. Hits never trust the hash
 alone: the pool also verifies the stored parent hash, tokens and position
-(see `block_pool.BlockContent`).
+(see `block_pool.BlockContent`). A request's `cache_salt` is block 0's parent
+(`salt_root`): its chain, and so its hits, are shared only with requests of
+the same salt.
 """
 from __future__ import annotations
 
@@ -48,6 +50,12 @@ def _encoded(extra_keys: tuple) -> bytes:
     return repr(extra_keys).encode()
 
 
+def salt_root(salt: str | None) -> bytes | None:
+    """Block 0's parent in a chain: None without a salt, else 16 bytes of the salt
+    (hashed behind its own marker, so it is no block's hash in practice)."""
+    return None if salt is None else xxhash.xxh3_128_digest(b"\x00salt" + salt.encode())
+
+
 def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = ()) -> None:
     """Append hashes for the full blocks of `request.all_token_ids` not hashed yet."""
     if block_size < 1:
@@ -59,16 +67,17 @@ def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = (
         return
     # Only the new blocks' tokens: all_token_ids would copy the whole sequence.
     token_ids = request.token_ids_between(first * block_size, num_full * block_size)
-    _append_hashes(hashes, token_ids, first, num_full, block_size, extra_keys)
+    _append_hashes(hashes, token_ids, first, num_full, block_size, extra_keys, request.cache_salt)
 
 
 def _append_hashes(hashes: list[bytes], token_ids: Sequence[int], first: int, end: int, block_size: int,
-                   extra_keys: tuple) -> None:
+                   extra_keys: tuple, salt: str | None = None) -> None:
     """Chain the hashes of blocks [len(hashes), end) onto `hashes` (`token_ids`
     start at block `first`): the one walk behind every block hash."""
+    root = salt_root(salt) if not hashes else None
     for index in range(len(hashes), end):
         offset = (index - first) * block_size
-        hashes.append(hash_block(hashes[-1] if index else None, token_ids[offset:offset + block_size], extra_keys))
+        hashes.append(hash_block(hashes[-1] if index else root, token_ids[offset:offset + block_size], extra_keys))
 
 
 def block_contents(request: Request, first: int, end: int, block_size: int,
@@ -80,7 +89,7 @@ def block_contents(request: Request, first: int, end: int, block_size: int,
     if first > len(hashes):
         raise ValueError(f"block {first} follows {len(hashes)} hashed blocks: its parent hash is unknown")
     token_ids = request.token_ids_between(first * block_size, end * block_size)
-    _append_hashes(hashes, token_ids, first, end, block_size, extra_keys)
+    _append_hashes(hashes, token_ids, first, end, block_size, extra_keys, request.cache_salt)
     return [block_content(hashes, token_ids, index, block_size, first) for index in range(first, end)]
 
 

@@ -44,18 +44,18 @@ class RequestRecorder:
 
     def on_arrival(self, request: Request) -> None:
         tokens = request.prompt_token_ids
-        run = self._observe_prefix(tokens)
+        run = self._observe_prefix(tokens, request.cache_salt)
         self.num_arrivals += 1
         self.num_prompt_tokens += len(tokens)
         for b in self.sizes:
             self.reusable_tokens[b] += min(run // b * b, (len(tokens) - 1) // b * b)
 
-    def _observe_prefix(self, tokens: list[int]) -> int:
-        """Tokens of `tokens` (whole chunks) already seen as an earlier prefix;
-        records every chunk as seen."""
+    def _observe_prefix(self, tokens: list[int], salt: str | None = None) -> int:
+        """Tokens of `tokens` (whole chunks) already seen as an earlier prefix with the
+        same cache salt (another salt's cannot be reused); records every chunk as seen."""
         # Python's tuple hash chains the chunks (3x cheaper than the cache's xxh3 of packed ids, whose
         # 128 bits guard real hits; an estimate can live with 64): an 8K-token prompt ~0.15 ms.
-        parent, run, matching = 0, 0, True
+        parent, run, matching = (0 if salt is None else hash(("cache_salt", salt))), 0, True
         for start in range(0, len(tokens) - self.base + 1, self.base):
             parent = hash((parent, *tokens[start:start + self.base]))
             if matching and parent in self._seen:

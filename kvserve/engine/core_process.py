@@ -158,7 +158,7 @@ class EngineCore:
             requests = []
             for r in job.requests:
                 params = unpack_sampling_params(r.sampling_params, r.grammar_json, self._load_grammar)
-                request = self.engine.make_request(r.prompt_token_ids, params, r.request_id)
+                request = self.engine.make_request(r.prompt_token_ids, params, r.request_id, r.cache_salt)
                 request.arrival_time = r.arrival_time
                 requests.append(request)
         except ValueError as e:

@@ -42,6 +42,7 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # A compiled grammar (SamplingParams.structured.compiled) does not pickle:
     # it travels as xgrammar's JSON and is loaded again in the core.
     grammar_json: str | None = None
+    cache_salt: str | None = None
 
 
 class CoreJob(msgspec.Struct, array_like=True):

@@ -58,12 +58,15 @@ class LLMEngine:
         return str(next(self._ids))
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> Request:
-        """Tokenize and validate; raises ValueError naming the limit. Does not enqueue."""
+                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
+        """Tokenize and validate; raises ValueError naming the limit. Does not enqueue.
+        `cache_salt` (vLLM's): only requests with the same salt share cached prefixes."""
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         return Request(request_id=request_id or self.new_request_id(), prompt_token_ids=token_ids,
-                       sampling_params=params, prompt=text, eos_token_ids=self.eos_token_ids)
+                       sampling_params=params, prompt=text, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

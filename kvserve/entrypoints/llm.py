@@ -38,7 +38,8 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompt_list))
         # Validate everything before enqueuing anything: a bad prompt must not
         # leave half a batch running.
-        requests = [self.engine.make_request(_prompt_value(p), sp) for p, sp in zip(prompt_list, params)]
+        requests = [self.engine.make_request(_prompt_value(p), sp, cache_salt=_cache_salt(p))
+                    for p, sp in zip(prompt_list, params)]
         return self._run(requests, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -88,8 +89,14 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompts
 
 
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
 def _prompt_value(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - PROMPT_KEYS)
+        if unknown:   # vLLM's multi_modal_data and the like: refused, never dropped
+            raise ValueError(f"prompt dict keys {unknown} are not supported (supported: {sorted(PROMPT_KEYS)})")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             return ids.tolist() if hasattr(ids, "tolist") else list(ids)   # an array: Python ints
@@ -99,6 +106,10 @@ def _prompt_value(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     raise ValueError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

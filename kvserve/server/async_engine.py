@@ -57,6 +57,7 @@ class Job:
     params: dict[str, Any]
     max_tokens: int | None
     n: int = 1
+    cache_salt: str | None = None   # every choice's (`Request.cache_salt`)
 
     @property
     def num_choices(self) -> int:
@@ -282,7 +283,8 @@ class AsyncEngine:
                 sub.choices.append(_Choice(sub, len(sub.choices), request_id, len(token_ids), output,
                                            sub.arrival_time))
                 packed, grammar_json = _core_params(params)
-                requests.append(CoreRequest(request_id, token_ids, packed, sub.arrival_time, grammar_json))
+                requests.append(CoreRequest(request_id, token_ids, packed, sub.arrival_time, grammar_json,
+                                            job.cache_salt))
             sub.prompt_lens.append(len(token_ids))
             sub.prompt_token_ids.append(token_ids)
         return CoreJob(sub.id, requests)

@@ -151,6 +151,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Int | None = Field(default=None, ge=0, le=INT32_MAX)
     user: StrictStr | None = None
+    cache_salt: NonEmptyStr | None = None   # vLLM's: only requests with the same salt share cached prefixes
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | StrictStr | None = None

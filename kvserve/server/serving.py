@@ -214,7 +214,7 @@ class GenerationHandler:
         params["structured"] = await self._structured(body, None)
         prompts = body.prompts()
         job = Job(prompts, params, body.max_tokens or self.defaults.get("max_tokens") or 16,
-                  body.num_choices_per_prompt)
+                  body.num_choices_per_prompt, body.cache_salt)
         echo = [self._prompt_text(p) for p in prompts] if body.echo else None
         fmt = _Format(self.tokenizer, body.logprobs, echo, job.n, body.prompt_logprobs is not None)
         return await self._serve(job, body, fmt, http)
@@ -228,7 +228,7 @@ class GenerationHandler:
         params = body.sampling_kwargs(body.num_logprobs, self.defaults)
         params["structured"] = await self._structured(body, mode and (mode, use_tools))
         job = Job([prompt], params, body.max_new_tokens or self.defaults.get("max_tokens"),
-                  body.num_choices_per_prompt)
+                  body.num_choices_per_prompt, body.cache_salt)
         fmt = _ChatFormat(self.tokenizer, body.num_logprobs, mode, body.prompt_logprobs is not None)
         return await self._serve(job, body, fmt, http)
 
