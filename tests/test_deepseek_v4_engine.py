@@ -72,6 +72,53 @@ def test_preemption_by_recompute(mixed, block_size):
     assert got == expected
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_preemption_by_swap_through_the_host_tier(mixed, block_size):
+    """A small pool with a host tier and swap preemption: requests are swapped out to host
+    pages and back in (V4's groups as one page a block), and every output equals
+    transformers' generate."""
+    path, prompts, expected = mixed
+    blocks = {8: 60, 32: 22}[block_size]
+    got, llm = _run(path, prompts, 24, block_size=block_size, max_num_batched_tokens=13, num_kv_blocks=blocks,
+                    max_num_seqs=4, cpu_kv_cache_gb=0.004, preemption_mode="swap")
+    metrics = llm.engine.get_metrics()
+    assert metrics["kv_host_swap_outs"] > 0 and metrics["kv_host_swap_ins"] == metrics["kv_host_swap_outs"]
+    assert got == expected
+    assert metrics["kv_cache_usage_perc"] == 0.0 and metrics["num_requests_swapped"] == 0
+    llm.engine.kv_cache.check_integrity()
+
+
+@pytest.mark.gpu
+def test_preemption_by_swap_through_the_host_tier_on_the_gpu(mixed):
+    """The same on CUDA in float32: the copies run on the copy streams from pinned host pages,
+    ordered against the forwards (runner/kv_transfer.py), and the outputs still equal
+    transformers' generate."""
+    path, prompts, expected = mixed
+    got, llm = _run(path, prompts, 24, block_size=8, max_num_batched_tokens=13, num_kv_blocks=60, max_num_seqs=4,
+                    cpu_kv_cache_gb=0.004, preemption_mode="swap", device="cuda", dtype="float32")
+    assert llm.engine.get_metrics()["kv_host_swap_outs"] > 0
+    assert got == expected
+
+
+def test_host_tier_serves_an_evicted_prefix(mixed):
+    """A prompt's pages leave a 64-block pool while other prompts run (written back to the
+    host first); the prompt again, extended, hits them on the host, loads them, and decodes
+    as the model does from scratch."""
+    path, prompts, _ = mixed
+    llm = LLM(str(path), max_model_len=96, block_size=8, max_num_batched_tokens=32, num_kv_blocks=64,
+              cpu_kv_cache_gb=0.004)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    llm.generate([{"prompt_token_ids": prompts[3]}], greedy, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts((60, 60, 60), seed=9)], greedy, use_tqdm=False)
+    again = prompts[3] + [7, 8, 9]
+    out = llm.generate([{"prompt_token_ids": again}], greedy, use_tqdm=False)[0]
+    metrics = llm.engine.get_metrics()
+    assert metrics["kv_host_hit_tokens"] > 0 and metrics["kv_host_blocks_to_gpu"] > 0
+    assert out.num_cached_tokens >= 64
+    assert list(out.outputs[0].token_ids) == greedy_generate(load_deepseek_v4(str(path)), [again], 4)[0]
+    llm.engine.kv_cache.check_integrity()
+
+
 def test_multi_turn_hits(mixed):
     path, prompts, _ = mixed
     llm = LLM(str(path), max_model_len=160, block_size=8, max_num_batched_tokens=13)

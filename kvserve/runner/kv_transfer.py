@@ -59,18 +59,19 @@ class TransferStats:
 
 class KVTransfer:
     """Moves blocks between the GPU KV storage, [group_size, 2, num_blocks,
-    block_size, kv_heads, head_dim] (runner/model_runner.py), and
-    `num_host_blocks` host slots; a batch is one gather or scatter on the GPU."""
+    block_size, kv_heads, head_dim] (runner/model_runner.py; DeepSeek V4's one
+    page a block: [1, 1, num_blocks, unit, 1, 1]), and `num_host_blocks` host
+    slots; a batch is one gather or scatter on the GPU."""
 
     def __init__(self, kv_storage: torch.Tensor, num_host_blocks: int,
                  device: torch.device) -> None:
-        if kv_storage.dim() != 6 or kv_storage.shape[1] != 2:
-            raise ValueError(f"KV storage must be [group_size, 2, num_blocks, block_size, kv_heads, "
-                             f"head_dim], got {tuple(kv_storage.shape)}")
+        if kv_storage.dim() != 6 or kv_storage.shape[1] not in (1, 2):
+            raise ValueError(f"KV storage must be [group_size, 2 (K, V) or 1 (a page), num_blocks, block_size, "
+                             f"kv_heads, head_dim], got {tuple(kv_storage.shape)}")
         self.kv_storage = kv_storage
         self.device = device
-        group_size, _, _, *rest = kv_storage.shape
-        self.block_shape = (group_size, 2, *rest)
+        group_size, planes, _, *rest = kv_storage.shape
+        self.block_shape = (group_size, planes, *rest)
         self.block_bytes = kv_storage[:, :, 0].numel() * kv_storage.element_size()
         self.blocks_per_chunk = max(1, HOST_CHUNK_BYTES // self.block_bytes)
         on_cuda = device.type == "cuda"
