@@ -877,3 +877,18 @@ def test_each_evicted_block_saved_counts_once():
     assert [(c.gpu_block, c.host_slot) for c in host.pending] == [(10, 0), (11, 1), (12, 2)]
     host.save(blocks[1])
     assert (host.num_saves, host.num_save_dedups, host.num_cached) == (3, 1, 3)
+
+
+def test_a_reserve_stays_free_when_a_running_request_opens_its_next_block():
+    """`allocate_slots(..., reserve=n)` on a running request at a block boundary: the direct
+    path that opens the next block must leave n blocks free as the general path does, so it
+    fails with exactly the pool's free blocks and succeeds with one more."""
+    for spare, expected in ((0, False), (1, True)):
+        kv = manager([FULL], 4 + spare)   # null block + a's 2 blocks, then 1 + spare free
+        a = request("a", list(range(8)))
+        assert kv.allocate_slots(a, 8)
+        a.num_computed_tokens = 8
+        free = kv.num_free_blocks
+        assert kv.allocate_slots(a, 1, reserve=1) is expected, spare
+        assert kv.num_free_blocks == (free - 1 if expected else free)
+        kv.check_integrity()
