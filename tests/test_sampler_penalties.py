@@ -53,6 +53,7 @@ def test_processed_logits_and_greedy_tokens_match_the_reference():
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(len(CASES), VOCAB, generator=gen, dtype=torch.float64) * 3
     base[4, EOS] = base[4, 5] = 50.0     # eos / stop id would win without min_tokens
+    base[0, 2] = base[2, 9] = 0.5        # seen tokens with logits in (0, 1]: divided by r, not multiplied
     sampler = Sampler(0, torch.device("cpu"))
     prompts = [[2, 3, 9, 9, 30] for _ in CASES]
     outputs: list[list[int]] = [[] for _ in CASES]
@@ -99,6 +100,49 @@ def test_a_row_whose_state_fails_is_named():
     with pytest.raises(RequestFailed) as info:
         sampler.sample(torch.zeros(2, VOCAB), [SamplingParams(), bad], ["ok", "bad"])
     assert info.value.request_ids == ["bad"]
+    assert str(info.value) == "requests ['bad'] failed: RuntimeError: boom" and str(info.value.cause) == "boom"
+
+
+PENALIZED = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.2)
+
+
+def _penalized_rows(sampler, requests, steps, base):
+    """`steps` greedy steps of `requests` (ids, prompts, outputs so far), each row's processed
+    logits against the reference over its prompt and every output token, earlier ones included."""
+    for _ in range(steps):
+        ids, params = [r.request_id for r in requests], [PENALIZED] * len(requests)
+        got = sampler._process(base.float()[:len(requests)], params, sampler._states_for(params, ids))
+        for i, r in enumerate(requests):
+            want = reference(base[i].tolist(), PENALIZED, r.prompt_token_ids, r.output_token_ids, 0)
+            assert torch.allclose(got[i].double(), torch.tensor(want, dtype=torch.float64), atol=1e-4), r.request_id
+        for r, token in zip(requests, sampler.sample(base.float()[:len(requests)], params, ids).resolve().token_ids):
+            r.output_token_ids.append(token)
+
+
+def test_penalties_count_the_outputs_a_request_had_before_its_state():
+    """A request whose sampling state is made after it has output tokens (it resumes after a
+    preemption) counts them: its penalties equal the reference over its whole output."""
+    base = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 3
+    sampler = Sampler(0, torch.device("cpu"))
+    resumed = SimpleNamespace(request_id="r", prompt_token_ids=[2, 3], output_token_ids=[7, 7, 12],
+                              eos_token_ids=frozenset({EOS}))
+    sampler.track(resumed)
+    _penalized_rows(sampler, [resumed], 3, base)
+
+
+def test_penalty_buffers_keep_their_counts_when_they_grow():
+    """Eight penalized rows fill the first buffers; a ninth grows them: every row's counts
+    and prompt mask survive the growth."""
+    base = torch.randn(9, VOCAB, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3
+    sampler = Sampler(0, torch.device("cpu"))
+    requests = [SimpleNamespace(request_id=f"r{i}", prompt_token_ids=[i + 2, 30], output_token_ids=[],
+                                eos_token_ids=frozenset({EOS})) for i in range(9)]
+    for r in requests:
+        sampler.track(r)
+    _penalized_rows(sampler, requests[:8], 3, base)
+    assert sampler.penalties.capacity == 8
+    _penalized_rows(sampler, requests, 3, base)
+    assert sampler.penalties.capacity == 16
 
 
 @pytest.mark.parametrize("kwargs", [dict(seed=2 ** 64), dict(top_k=2 ** 40), dict(presence_penalty=3.0),
