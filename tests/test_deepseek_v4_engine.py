@@ -73,14 +73,16 @@ def test_preemption_by_recompute(mixed, block_size):
 
 
 @pytest.mark.parametrize("block_size", [8, 32])
-def test_preemption_by_swap_through_the_host_tier(mixed, block_size):
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_by_swap_through_the_host_tier(mixed, block_size, caching):
     """A small pool with a host tier and swap preemption: requests are swapped out to host
-    pages and back in (V4's groups as one page a block), and every output equals
+    pages and back in (V4's groups as one page a block; without prefix caching the whole
+    computed KV, with it the part past the cached prefix), and every output equals
     transformers' generate."""
     path, prompts, expected = mixed
     blocks = {8: 60, 32: 22}[block_size]
     got, llm = _run(path, prompts, 24, block_size=block_size, max_num_batched_tokens=13, num_kv_blocks=blocks,
-                    max_num_seqs=4, cpu_kv_cache_gb=0.004, preemption_mode="swap")
+                    max_num_seqs=4, cpu_kv_cache_gb=0.004, preemption_mode="swap", enable_prefix_caching=caching)
     metrics = llm.engine.get_metrics()
     assert metrics["kv_host_swap_outs"] > 0 and metrics["kv_host_swap_ins"] == metrics["kv_host_swap_outs"]
     assert got == expected
