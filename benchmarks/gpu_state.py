@@ -29,6 +29,8 @@ KEYS = ("sm_mhz", "mem_mhz", "temp_c", "power_w")
 
 
 class GpuStateLog:
+    """A sampler process appending to a log file; windows are byte offsets into the file."""
+
     def __init__(self, proc: subprocess.Popen | None, path: str | None) -> None:
         self._proc, self._path = proc, path
 
@@ -60,8 +62,11 @@ class GpuStateLog:
         if not self.on:
             return {}
         with open(self._path) as f:
-            f.seek(since)
-            rows = parse(f.read())
+            f.seek(max(since - 1, 0))
+            text = f.read()
+        if since > 0:   # a mark inside a line (the sampler was writing it): that line is the last window's
+            text = text[text.index("\n") + 1:] if "\n" in text else ""
+        rows = parse(text)
         if not rows:
             return {}
         cols = dict(zip(KEYS, zip(*rows)))

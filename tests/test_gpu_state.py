@@ -60,6 +60,20 @@ def test_a_window_averages_only_the_samples_written_in_it(tmp_path):
     assert not log.on and log.summary(0) == {}
 
 
+def test_a_mark_inside_a_line_leaves_that_line_to_the_window_before(tmp_path):
+    """A window marked while the sampler was halfway through a line ("1980, 32" then "01, ...")
+    must not read the line's tail as a sample of its own (it parses: "01, 50, 400.5" is short, but
+    a cut inside the first number would not be)."""
+    log = gpu_state.GpuStateLog(None, None)
+    path = tmp_path / "log.csv"
+    path.write_text("1900, 3201, 52, 500.5\n1980, 3201, 50, 400.5\n1700, 3201, 63, 680.0\n")
+    log._proc, log._path = object(), str(path)   # a log whose sampler has finished
+    middle = len("1900, 3201, 52, 500.5\n19")
+    assert log.summary(middle)["samples"] == 1 and log.summary(middle)["sm_mhz"] == 1700.0
+    at_start = len("1900, 3201, 52, 500.5\n")
+    assert log.summary(at_start)["samples"] == 2 and log.summary(0)["samples"] == 3
+
+
 def test_without_nvidia_smi_the_log_is_off(monkeypatch):
     monkeypatch.setattr(gpu_state.shutil, "which", lambda name: None)
     log = gpu_state.GpuStateLog.start()
