@@ -61,9 +61,9 @@ def test_a_window_averages_only_the_samples_written_in_it(tmp_path):
 
 
 def test_a_mark_inside_a_line_leaves_that_line_to_the_window_before(tmp_path):
-    """A window marked while the sampler was halfway through a line ("1980, 32" then "01, ...")
-    must not read the line's tail as a sample of its own (it parses: "01, 50, 400.5" is short, but
-    a cut inside the first number would not be)."""
+    """A window marked while the sampler was halfway through a line must not read that line's
+    tail as a sample: cut inside its first number ("19" | "80, 3201, 50, 400.5"), the tail
+    would parse as four numbers."""
     log = gpu_state.GpuStateLog(None, None)
     path = tmp_path / "log.csv"
     path.write_text("1900, 3201, 52, 500.5\n1980, 3201, 50, 400.5\n1700, 3201, 63, 680.0\n")
