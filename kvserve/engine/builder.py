@@ -93,8 +93,8 @@ def _build_driver(args: EngineArgs, resolved: ResolvedModel, device: torch.devic
     the KV cache manager and the scheduler, which exist once."""
     rank = build_rank_model(args, resolved, device, workers.group if workers is not None else None)
     cache_config, sched_config, layout = rank.cache_config, rank.sched_config, rank.layout
-    num_host_blocks = plan_num_host_blocks(cache_config, layout)
-    host_tier = HostTier(num_host_blocks, layout.bytes_per_block) if num_host_blocks else None
+    host_tier = plan_host_tier(cache_config, layout)
+    num_host_blocks = host_tier.num_blocks if host_tier is not None else 0
     kv_cache = KVCacheManager(rank.groups, layout.num_blocks, cache_config.block_size,
                               cache_config.enable_prefix_caching, eviction_policy=cache_config.eviction_policy,
                               host_tier=host_tier,
@@ -152,8 +152,6 @@ def build_runner(args: EngineArgs, rank: RankModel, num_host_blocks: int = 0,
     runner = ModelRunner(rank.model, rank.layout, rank.device, args.seed, step_channel)
     if num_host_blocks:
         runner.attach_host_tier(num_host_blocks)
-        logger.info("host KV tier: %d blocks (%.2f GiB)", num_host_blocks,
-                    num_host_blocks * rank.layout.bytes_per_block / 1024**3)
     sched = rank.sched_config
     if rank.device.type == "cuda" and not args.enforce_eager:
         runner.capture_graphs(sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,
@@ -226,6 +224,13 @@ def _rank_budget(utilization: float, peak: int, device: torch.device,
         if group is None:
             raise
         return 0, error
+
+
+def plan_host_tier(cache: CacheConfig, layout) -> HostTier | None:
+    """The host tier's slots for `cpu_kv_cache_gb` (None: no host tier); `layout`: any
+    with `bytes_per_block` (a Llama-family `KVLayout`, DeepSeek V4's pages)."""
+    num_blocks = plan_num_host_blocks(cache, layout)
+    return HostTier(num_blocks, layout.bytes_per_block) if num_blocks else None
 
 
 def plan_num_host_blocks(cache: CacheConfig, layout: KVLayout) -> int:

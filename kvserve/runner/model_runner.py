@@ -112,8 +112,14 @@ class ModelRunner:
 
     def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
         """Host KV storage of `num_host_blocks` blocks and its copy executor."""
-        self.kv_transfer = KVTransfer(self.kv_storage, num_host_blocks, self.device)
+        self.kv_transfer = KVTransfer(self.block_major_kv(), num_host_blocks, self.device)
+        logger.info("host KV tier: %d blocks (%.2f GiB)", num_host_blocks,
+                    num_host_blocks * self.layout.bytes_per_block / 1024**3)
         return self.kv_transfer
+
+    def block_major_kv(self) -> torch.Tensor:
+        """The KV storage as `KVTransfer` copies it: [group_size, 2, num_blocks, ...]."""
+        return self.kv_storage
 
     def copy_blocks(self, copies: CopyBatch, prefetch: bool = False) -> None:
         """Run a step's GPU<->host block copies; later GPU work is ordered after

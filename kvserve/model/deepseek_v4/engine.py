@@ -17,7 +17,6 @@ import torch
 
 import kvserve.cache.compressed_managers  # noqa: F401 (registers the V4 managers)
 from kvserve.cache import KVCacheManager
-from kvserve.cache.host_tier import HostTier
 from kvserve.cache.v4_specs import CompressedSpec, V4KVLayout, v4_kv_layout
 from kvserve.config import EngineArgs
 from kvserve.model.deepseek_v4.config import CSA, HCA, DeepseekV4Config, is_deepseek_v4
@@ -26,7 +25,6 @@ from kvserve.model.deepseek_v4.loader import DUMMY_CONFIGS, DUMMY_PREFIX, dummy_
 from kvserve.model.deepseek_v4.paged import PagedSequenceKV
 from kvserve.request import Request
 from kvserve.runner.batch import ModelInputs, pad_tables
-from kvserve.runner.kv_transfer import KVTransfer
 from kvserve.runner.model_runner import EAGER_DRAIN_TOKENS, ModelRunner
 from kvserve.runner.sampler import Sampler
 from kvserve.runner.staging import upload
@@ -78,12 +76,10 @@ class V4Runner(ModelRunner):
     def logits_weight(self) -> torch.Tensor:
         return self.model.head.weight
 
-    def attach_host_tier(self, num_host_blocks: int) -> KVTransfer:
-        """Host KV storage of `num_host_blocks` pages: a block is one row of the
-        storage, so the copies move rows (a [1, 1, num_blocks, unit, 1, 1] view)."""
-        pages = self.kv_storage.view(1, 1, *self.kv_storage.shape, 1, 1)
-        self.kv_transfer = KVTransfer(pages, num_host_blocks, self.device)
-        return self.kv_transfer
+    def block_major_kv(self) -> torch.Tensor:
+        """A block is one page, a row of the storage: the host tier's copies move rows
+        (a [1, 1, num_blocks, unit, 1, 1] view)."""
+        return self.kv_storage.view(1, 1, *self.kv_storage.shape, 1, 1)
 
     def static_graphs(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                       mixed: bool = True, sizes: list[int] | None = None,
@@ -142,7 +138,7 @@ class V4Runner(ModelRunner):
 
 
 def build_v4_engine_parts(args: EngineArgs):
-    from kvserve.engine.builder import (EngineParts, _check_one_request_fits, _device_memory, plan_num_host_blocks,
+    from kvserve.engine.builder import (EngineParts, _check_one_request_fits, _device_memory, plan_host_tier,
                                         resolve_device)
     from kvserve.model.loaders import resolve_dtype
     device = resolve_device(args.device)
@@ -157,16 +153,13 @@ def build_v4_engine_parts(args: EngineArgs):
     layout = V4Layout(kv_layout, 2, dtype)
     num_blocks = _num_blocks(cache, sched, layout, model, device, backend, graphs)
     layout = V4Layout(kv_layout, num_blocks, dtype)
-    num_host_blocks = plan_num_host_blocks(cache, layout)
-    host_tier = HostTier(num_host_blocks, layout.bytes_per_block) if num_host_blocks else None
+    host_tier = plan_host_tier(cache, layout)
     kv_cache = KVCacheManager(kv_layout.kv_groups(), num_blocks, cache.block_size, cache.enable_prefix_caching,
                               eviction_policy=cache.eviction_policy, host_tier=host_tier)
     _check_one_request_fits(kv_cache, sched)
     runner = V4Runner(model, layout, device, args.seed, backend)
-    if num_host_blocks:
-        runner.attach_host_tier(num_host_blocks)
-        logger.info("host KV tier: %d pages (%.2f GiB)", num_host_blocks,
-                    num_host_blocks * layout.bytes_per_block / 1024**3)
+    if host_tier is not None:
+        runner.attach_host_tier(host_tier.num_blocks)
     log_layout(kv_layout, num_blocks, layout.bytes_per_block)
     log_plan(plan_v4_memory(num_blocks * layout.bytes_per_block, kv_layout, layout.bytes_per_block // kv_layout.unit),
              config)
