@@ -61,7 +61,7 @@ def work_list(rows: list[tuple[int, int]], group: int, order: str = "rows"):
 def grid_over_list(rows: list[tuple[int, int]], group: int) -> float:
     """The full grid's programs over the list's (rows of 2+ query tokens), `takes_list`'s ratio."""
     query_lens = [n for _, n in rows]
-    grid = -(-max(query_lens) // prefill_gluon._block_q(group)) * len(rows)
+    grid = prefill_gluon.grid_items(max(query_lens), len(rows), group)
     return grid / max(prefill_gluon.count_tiles(query_lens, group, 2), 1)
 
 

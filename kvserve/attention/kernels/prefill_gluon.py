@@ -345,21 +345,31 @@ def _block_q(group: int) -> int:
     return 2 * ROWS.value // group
 
 
+def grid_items(max_query_len: int, num_seqs: int, group: int) -> int:
+    """(query tile, sequence) items of the full grid: every row gets as many tiles as the longest."""
+    return triton.cdiv(max_query_len, _block_q(group)) * num_seqs
+
+
 def takes_list(max_query_len: int, num_seqs: int, group: int, num_items: int) -> bool:
     """Whether a launch runs its work list of `num_items` (query tile, sequence) items rather
-    than the full grid: the grid's tiles x sequences reach LIST_MIN_SAVING times the items."""
-    return triton.cdiv(max_query_len, _block_q(group)) * num_seqs >= LIST_MIN_SAVING * num_items
+    than the full grid: the grid's items reach LIST_MIN_SAVING times the list's."""
+    return grid_items(max_query_len, num_seqs, group) >= LIST_MIN_SAVING * num_items
 
 
 def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
     return -(-a // b)
 
 
+def _row_tiles(q_lens: np.ndarray, group: int, min_q_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows of at least `min_q_len` query tokens, each one's query tiles)."""
+    rows = np.flatnonzero(q_lens >= max(min_q_len, 1))
+    return rows, _cdiv(q_lens[rows], _block_q(group))
+
+
 def count_tiles(query_lens: Sequence[int], group: int, min_q_len: int = 2) -> int:
     """How many items `plan_tiles` would plan: the query tiles of the rows of at least
     `min_q_len` query tokens (so the host can ask `takes_list` before planning any)."""
-    q_lens = np.asarray(query_lens, dtype=np.int64)
-    return int(_cdiv(q_lens[q_lens >= max(min_q_len, 1)], _block_q(group)).sum())
+    return int(_row_tiles(np.asarray(query_lens, dtype=np.int64), group, min_q_len)[1].sum())
 
 
 def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, min_q_len: int = 2,
@@ -376,8 +386,7 @@ def plan_tiles(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, m
         raise ValueError(f"plan_tiles' order is 'keys' or 'rows', got {order!r}")
     block_q = _block_q(group)
     q_lens, totals = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
-    rows = np.flatnonzero(q_lens >= max(min_q_len, 1))
-    counts = _cdiv(q_lens[rows], block_q)
+    rows, counts = _row_tiles(q_lens, group, min_q_len)
     seq = np.repeat(rows, counts)
     first = (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)) * block_q
     if order == "rows":
