@@ -1,19 +1,20 @@
 """Host µs an eager step spends choosing the Gluon prefill kernel's launch: the work list planned
 (`plan_tiles`, what every eager step did before 554c147) against its items counted and the choice
 made (`count_tiles` + `takes_list`, what every step does now before planning the list it takes).
-Qwen3-8B heads (GQA group 4), rows of 16+ query tokens, the steps of `prefill_fa3_ab.py`.
+Qwen3-8B heads (GQA group 4), rows of 16+ query tokens, the steps of `prefill_fa3_ab.py` (its list).
 
     python benchmarks/tile_plan_cost.py
 """
 from __future__ import annotations
 
+import sys
 import timeit
+from pathlib import Path
 
 from kvserve.attention.kernels import prefill_gluon as pg
 
-DECODES = [(899, 1)] * 128
-STEPS = {"9 x 900": [(0, 900)] * 9, "8 x 1024": [(0, 1024)] * 8, "40 x 200 after 700": [(700, 200)] * 40,
-         "1 x 8192": [(0, 8192)], "40 x 200 after 700 + 128 decodes": [(700, 200)] * 40 + DECODES}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_fa3_ab import STEPS  # noqa: E402
 
 
 def main(calls: int = 2000) -> None:
