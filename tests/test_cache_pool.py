@@ -113,7 +113,7 @@ def test_hash_block_is_chained_and_keyed():
     h0 = hashing.hash_block(None, [1, 2])
     assert h0 == hashing.hash_block(None, [1, 2])
     assert h0 != hashing.hash_block(h0, [1, 2])
-    assert h0 != hashing.hash_block(None, [1, 2], ("lora", 1))
+    assert h0 != hashing.hash_block(None, [1, 3]) and h0 != hashing.hash_block(None, [1, 2, 0])
     request = _request("r", list(range(10)))
     hashing.extend_block_hashes(request, 4)
     assert len(request.block_hashes) == 2

@@ -3,8 +3,7 @@
 Owns the hash function, the incremental extension of `Request.block_hashes`,
 and the `BlockContent` a cached block is verified against (built from the
 same token slice as its hash). Block i's hash covers block i-1's hash, block
-i's token ids and the engine's extra keys (model, LoRA, ...), so equal hashes
-imply equal prefixes up to a 128-bit collision. Hits never trust the hash
+i's token ids, so equal hashes imply equal prefixes up to a 128-bit collision. Hits never trust the hash
 alone: the pool also verifies the stored parent hash, tokens and position
 (see `block_pool.BlockContent`). A request's `cache_salt` is block 0's parent
 (`salt_root`): its chain, and so its hits, are shared only with requests of
@@ -28,14 +27,12 @@ if TYPE_CHECKING:
 _new_content = partial(tuple.__new__, BlockContent)
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int],
-               extra_keys: tuple = ()) -> bytes:
-    """xxh3-128 over the parent hash, the int32-packed tokens and the extra keys."""
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """xxh3-128 over the parent hash and the int32-packed tokens."""
     # A fixed-width marker keeps "no parent" distinct from any 16-byte parent.
     # One-shot over the joined parts: the same digest as updating part by part.
     return xxhash.xxh3_128_digest(b"".join((parent if parent is not None else b"\x00root",
-                                            _int32s(len(token_ids)).pack(*token_ids),
-                                            _encoded(extra_keys))))
+                                            _int32s(len(token_ids)).pack(*token_ids))))
 
 
 @lru_cache(maxsize=64)
@@ -44,19 +41,13 @@ def _int32s(n: int) -> struct.Struct:
     return struct.Struct(f"{n}i")
 
 
-@lru_cache(maxsize=64)
-def _encoded(extra_keys: tuple) -> bytes:
-    """The extra keys as hashed: the same few tuples for every block, encoded once."""
-    return repr(extra_keys).encode()
-
-
 def salt_root(salt: str | None) -> bytes | None:
     """Block 0's parent in a chain: None without a salt, else 16 bytes of the salt
     (hashed behind its own marker, so it is no block's hash in practice)."""
     return None if salt is None else xxhash.xxh3_128_digest(b"\x00salt" + salt.encode())
 
 
-def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = ()) -> None:
+def extend_block_hashes(request: Request, block_size: int) -> None:
     """Append hashes for the full blocks of `request.all_token_ids` not hashed yet."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -67,21 +58,20 @@ def extend_block_hashes(request: Request, block_size: int, extra_keys: tuple = (
         return
     # Only the new blocks' tokens: all_token_ids would copy the whole sequence.
     token_ids = request.token_ids_between(first * block_size, num_full * block_size)
-    _append_hashes(hashes, token_ids, first, num_full, block_size, extra_keys, request.cache_salt)
+    _append_hashes(hashes, token_ids, first, num_full, block_size, request.cache_salt)
 
 
 def _append_hashes(hashes: list[bytes], token_ids: Sequence[int], first: int, end: int, block_size: int,
-                   extra_keys: tuple, salt: str | None = None) -> None:
+                   salt: str | None = None) -> None:
     """Chain the hashes of blocks [len(hashes), end) onto `hashes` (`token_ids`
     start at block `first`): the one walk behind every block hash."""
     root = salt_root(salt) if not hashes else None
     for index in range(len(hashes), end):
         offset = (index - first) * block_size
-        hashes.append(hash_block(hashes[-1] if index else root, token_ids[offset:offset + block_size], extra_keys))
+        hashes.append(hash_block(hashes[-1] if index else root, token_ids[offset:offset + block_size]))
 
 
-def block_contents(request: Request, first: int, end: int, block_size: int,
-                   extra_keys: tuple = ()) -> list[BlockContent]:
+def block_contents(request: Request, first: int, end: int, block_size: int) -> list[BlockContent]:
     """What blocks [first, end) of the request hold (full of known tokens),
     hashing those past `request.block_hashes` on the way: one token slice
     serves both (a decode step fills a block every block_size steps)."""
@@ -89,7 +79,7 @@ def block_contents(request: Request, first: int, end: int, block_size: int,
     if first > len(hashes):
         raise ValueError(f"block {first} follows {len(hashes)} hashed blocks: its parent hash is unknown")
     token_ids = request.token_ids_between(first * block_size, end * block_size)
-    _append_hashes(hashes, token_ids, first, end, block_size, extra_keys, request.cache_salt)
+    _append_hashes(hashes, token_ids, first, end, block_size, request.cache_salt)
     return [block_content(hashes, token_ids, index, block_size, first) for index in range(first, end)]
 
 

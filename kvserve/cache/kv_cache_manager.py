@@ -112,7 +112,7 @@ class KVCacheManager:
     """Allocates, caches and frees KV blocks for requests across all groups."""
 
     def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, extra_keys: tuple = (),
+                 enable_prefix_caching: bool = True,
                  eviction_policy: str = "reuse", host_tier: HostTier | None = None,
                  max_table_width: int | None = None) -> None:
         """`max_table_width`: the most blocks a request's table holds (max_model_len
@@ -125,7 +125,6 @@ class KVCacheManager:
         self.groups = list(groups)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.extra_keys = extra_keys
         self.pool = BlockPool(num_blocks, make_eviction_policy(eviction_policy))
         self.host_tier = host_tier
         if host_tier is not None and enable_prefix_caching:
@@ -201,7 +200,7 @@ class KVCacheManager:
             return self._swap_in_hit(request, swapped)
         if not self.enable_prefix_caching:
             return self._no_hit(), 0
-        extend_block_hashes(request, self.block_size, self.extra_keys)
+        extend_block_hashes(request, self.block_size)
         hit = self._longest_common_hit(request.block_hashes, request.all_token_ids,
                                        request.num_tokens - 1)
         return hit, hit.num_tokens
@@ -209,7 +208,7 @@ class KVCacheManager:
     def _swap_in_hit(self, request: Request, swapped: SwappedKV) -> tuple[ComputedBlocks, int]:
         prefix = self._no_hit()
         if swapped.num_prefix_tokens:
-            extend_block_hashes(request, self.block_size, self.extra_keys)
+            extend_block_hashes(request, self.block_size)
             prefix = self._longest_common_hit(request.block_hashes, request.all_token_ids,
                                               swapped.num_prefix_tokens)
             if prefix.num_tokens < swapped.num_prefix_tokens:
@@ -230,7 +229,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.num_tokens < self.block_size:
             return None
         if not request.block_hashes:
-            extend_block_hashes(request, self.block_size, self.extra_keys)
+            extend_block_hashes(request, self.block_size)
         return request.block_hashes[0]
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int,
@@ -680,7 +679,7 @@ class KVCacheManager:
         first = min([m.num_cached_blocks.get(request_id, 0) for m in self.managers])
         if first >= num_full:
             return
-        contents = block_contents(request, first, num_full, self.block_size, self.extra_keys)
+        contents = block_contents(request, first, num_full, self.block_size)
         for manager in self.managers:
             manager.cache_full_blocks(request_id, request.block_hashes, contents, first)
 
