@@ -164,8 +164,12 @@ def gpu_text(state: dict[str, float]) -> str:
     """A window's GPU state (`gpu_state.GpuStateLog.summary`) as a line's tail; '' without one."""
     if not state:
         return ""
-    return (f"  SM {state['sm_mhz']:.0f} MHz (min {state['sm_mhz_min']:.0f}) {state['power_w']:.0f} W "
+    text = (f"  SM {state['sm_mhz']:.0f} MHz (min {state['sm_mhz_min']:.0f}) {state['power_w']:.0f} W "
             f"max {state['temp_c_max']:.0f} C")
+    if "power_capped_pct" in state:   # the share of samples each limit held the clocks back
+        text += (f", held back: power {state['power_capped_pct']:.0f}% heat {state['thermal_pct']:.0f}% "
+                 f"hw {state['hw_slowdown_pct']:.0f}%")
+    return text
 
 
 def compare(paths: list[str]) -> None:
@@ -173,22 +177,23 @@ def compare(paths: list[str]) -> None:
     first, second = (json.load(open(p)) for p in paths)
     e1, e2 = first["engine"], second["engine"]
     print(f"| scenario | requests | {e1} s | {e2} s | {e1} / {e2} time | SM MHz, mean ({e1} / {e2}) | "
-          f"W, mean | max C |\n|---|---|---|---|---|---|---|---|")
+          f"W, mean | max C | power-capped % |\n|---|---|---|---|---|---|---|---|---|")
     for name, r1 in first["scenarios"].items():
         r2 = second["scenarios"].get(name)
         if r2 is None:
             continue
         if (r1["output_tokens"], r1["prompt_tokens"]) != (r2["output_tokens"], r2["prompt_tokens"]):
-            print(f"| {name} | token counts differ: {r1} vs {r2} | | | | | | |")
+            print(f"| {name} | token counts differ: {r1} vs {r2} | | | | | | | |")
             continue
         print(f"| {name} | {r1['requests']} | {r1['seconds']:.2f} | {r2['seconds']:.2f} | "
               f"{r1['seconds'] / r2['seconds']:.3f}x | {_pair(r1, r2, 'sm_mhz')} | {_pair(r1, r2, 'power_w')} | "
-              f"{_pair(r1, r2, 'temp_c_max')} |")
+              f"{_pair(r1, r2, 'temp_c_max')} | {_pair(r1, r2, 'power_capped_pct')} |")
 
 
 def _pair(r1: dict, r2: dict, key: str) -> str:
-    """Both runs' GPU figure `key` as "a / b" ("-" for a run without it: older files, no nvidia-smi)."""
-    return " / ".join(f"{r['gpu'][key]:.0f}" if r.get("gpu") else "-" for r in (r1, r2))
+    """Both runs' GPU figure `key` as "a / b" ("-" for a run without it: older files, no nvidia-smi,
+    a driver without the clocks' reasons)."""
+    return " / ".join(f"{r['gpu'][key]:.0f}" if key in r.get("gpu", {}) else "-" for r in (r1, r2))
 
 
 def seeded_scenario(text: str) -> tuple[int, str]:

@@ -91,5 +91,50 @@ def test_the_comparison_shows_both_runs_clocks(tmp_path, capsys):
     b.write_text(offline.json.dumps({"engine": "vllm", "scenarios": {"qa": {**run, "seconds": 2.5}}}))
     offline.compare([str(a), str(b)])
     row = capsys.readouterr().out.splitlines()[-1]
-    assert row == "| qa | 4 | 2.00 | 2.50 | 0.800x | 1755 / - | 612 / - | 71 / - |"
+    assert row == "| qa | 4 | 2.00 | 2.50 | 0.800x | 1755 / - | 612 / - | 71 / - | - / - |"
     assert offline.gpu_text(gpu) == "  SM 1755 MHz (min 1600) 612 W max 71 C" and offline.gpu_text({}) == ""
+    held = {**gpu, "power_capped_pct": 37.5, "thermal_pct": 0.0, "hw_slowdown_pct": 12.5}
+    b.write_text(offline.json.dumps({"engine": "vllm", "scenarios": {"qa": {**run, "gpu": held}}}))
+    offline.compare([str(a), str(b)])
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| 71 / 71 | - / 38 |")
+    assert offline.gpu_text(held).endswith("612 W max 71 C, held back: power 38% heat 0% hw 12%")
+
+
+# Samples with the clocks' reasons: idle; power cap; power cap and HW slowdown; SW thermal; power brake.
+REASONED = """
+print("1980, 3201, 50, 100.0, 0x0000000000000001")
+print("1800, 3201, 60, 700.0, 0x0000000000000004")
+print("1700, 3201, 61, 690.0, 0x000000000000000C")
+print("1750, 3201, 80, 600.0, 0x0000000000000020")
+print("1650, 3201, 62, 700.0, 0x0000000000000080", flush=True)
+import time; time.sleep(60)
+"""
+
+
+def test_a_window_counts_the_samples_each_limit_held_back(tmp_path):
+    log = gpu_state.GpuStateLog.start(command=[sys.executable, "-c", REASONED])
+    try:
+        state = _samples(log, 0, 5)
+    finally:
+        log.stop()
+    assert state["power_capped_pct"] == 60.0   # bits 0x4 and 0x80 (not the idle bit 0x1)
+    assert state["thermal_pct"] == 20.0 and state["hw_slowdown_pct"] == 20.0
+    assert state["sm_mhz"] == 1776.0 and state["power_w"] == 558.0 and state["temp_c_max"] == 80.0
+
+
+def test_the_reason_field_is_probed_newest_name_first(monkeypatch):
+    asked = []
+
+    def run(command, **_):
+        field = command[1].split("=", 1)[1]
+        asked.append(field)
+        known = field == "clocks_throttle_reasons.active"   # an older driver
+        return gpu_state.subprocess.CompletedProcess(command, 0 if known else 2, "0x0000000000000000\n" if known
+                                                     else 'Field "clocks_event_reasons.active" is not valid.\n', "")
+
+    monkeypatch.setattr(gpu_state.subprocess, "run", run)
+    assert gpu_state.reason_field() == "clocks_throttle_reasons.active"
+    assert asked == ["clocks_event_reasons.active", "clocks_throttle_reasons.active"]
+    monkeypatch.setattr(gpu_state.subprocess, "run", lambda command, **_: gpu_state.subprocess.CompletedProcess(
+        command, 2, "", "not valid"))
+    assert gpu_state.reason_field() is None
