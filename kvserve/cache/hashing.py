@@ -2,12 +2,12 @@
 
 Owns the hash function, the incremental extension of `Request.block_hashes`,
 and the `BlockContent` a cached block is verified against (built from the
-same token slice as its hash). Block i's hash covers block i-1's hash, block
-i's token ids, so equal hashes imply equal prefixes up to a 128-bit collision. Hits never trust the hash
-alone: the pool also verifies the stored parent hash, tokens and position
-(see `block_pool.BlockContent`). A request's `cache_salt` is block 0's parent
-(`salt_root`): its chain, and so its hits, are shared only with requests of
-the same salt.
+same token slice as its hash). Block i's hash covers block i-1's hash and
+block i's token ids, so equal hashes imply equal prefixes up to a 128-bit
+collision. Hits never trust the hash alone: the pool also verifies the
+stored parent hash, tokens and position (see `block_pool.BlockContent`). A
+request's `cache_salt` is block 0's parent (`salt_root`): its chain, and so
+its hits, are shared only with requests of the same salt.
 """
 from __future__ import annotations
 
