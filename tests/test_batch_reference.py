@@ -3,7 +3,7 @@ token by token in plain Python (ids, positions, each token's sequence, cache
 slots, the rows that sample and their logits rows), every field and dtype of
 `prepare_inputs`' result compared with it, on random mixed and decode batches
 through each path (`DecodeBatch` with the tokens on the device or on the host,
-and none). Also the shared row ranges as they grow, and `pad_tables`."""
+and none). Also the shared row ranges as they grow."""
 from __future__ import annotations
 
 import random
@@ -14,7 +14,7 @@ import torch
 
 from kvserve.request import PENDING_TOKEN, Request
 from kvserve.runner import batch
-from kvserve.runner.batch import _row_ranges, pad_tables, prepare_inputs
+from kvserve.runner.batch import _row_ranges, prepare_inputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import DecodeBatch, ScheduledRequest
 
@@ -139,11 +139,3 @@ def test_the_shared_row_ranges_cover_every_size_as_they_grow(monkeypatch):
         assert ranges.query_start_loc.tolist() == list(range(n + 1)), n
         assert ranges.rows.tolist() == list(range(n)), n
 
-
-def test_pad_tables_pads_with_the_null_block():
-    tables = [[5, 6, 7], [], [9]]
-    out = pad_tables(tables)
-    assert out.dtype == torch.int32 and out.tolist() == [[5, 6, 7], [0, 0, 0], [9, 0, 0]]
-    assert pad_tables(tables, 5).tolist() == [[5, 6, 7, 0, 0], [0, 0, 0, 0, 0], [9, 0, 0, 0, 0]]
-    assert pad_tables([[], []]).tolist() == [[0], [0]]   # at least one column
-    assert tuple(pad_tables([]).shape) == (0, 1)

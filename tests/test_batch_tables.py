@@ -25,6 +25,7 @@ def test_pad_tables_matches_plain_padding():
 
 def test_pad_tables_of_empty_rows_has_one_null_column():
     assert pad_tables([[], []]).tolist() == [[0], [0]]
+    assert tuple(pad_tables([]).shape) == (0, 1)   # no rows at all (not an error)
 
 
 def _check_gather(got: torch.Tensor, tables: list[list[int]], max_width: int | None) -> None:
