@@ -46,19 +46,22 @@ class SamplingParams:
         _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        _check(0.0 <= self.temperature <= 1e4, f"temperature must be in [0, 10000], got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(_is_real(self.temperature) and 0.0 <= self.temperature <= 1e4,
+               f"temperature must be in [0, 10000], got {self.temperature!r}")
+        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and (self.top_k in (-1, 0) or 1 <= self.top_k <= MAX_TOP_K),
                f"top_k must be -1 or 0 (disabled) or in [1, {MAX_TOP_K}], got {self.top_k!r}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
         self._check_penalties()
         _check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
                f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20,
-               f"logprobs must be between 0 and 20, got {self.logprobs}")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-               f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
-        _check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= 20),
+                   f"{name} must be an integer between 0 and 20, got {value!r}")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer of at least 1, got {self.n!r}")
+        _check(self.stop_token_ids is None or all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
+               f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         stops = self.stop if self.stop is not None else ()
         stops = (stops,) if isinstance(stops, str) else tuple(stops)
         _check(all(isinstance(s, str) and s for s in stops),
@@ -68,13 +71,13 @@ class SamplingParams:
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
-        _check(0.0 < self.repetition_penalty <= 10.0,
-               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+            _check(_is_real(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         for token, bias in (self.logit_bias or {}).items():
             _check(_is_int(token) and 0 <= token <= INT64_MAX, f"logit_bias key {token!r} is not a token id")
-            _check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
-                   f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+            _check(_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                   f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
 
     @property
     def is_greedy(self) -> bool:
@@ -97,6 +100,12 @@ class SamplingParams:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """An int or a float (numpy's float64 is one), not a bool: a string or None would
+    otherwise fail the bound's comparison with a TypeError that names no field."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, message: str) -> None:
