@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Mutation testing of kvserve/cache/, kvserve/scheduler.py, kvserve/sampling_params.py, kvserve/runner/batch.py, staging.py and
-# kvserve/runner/sampler.py with mutmut (pip install -e '.[mutation]'); the
+# Mutation testing of kvserve/cache/, kvserve/scheduler.py, kvserve/sampling_params.py
+# and kvserve/runner/ (batch.py, staging.py, sampler.py) with mutmut
+# (pip install -e '.[mutation]'); the
 # configuration (modules, the fast CPU tests it runs) is [tool.mutmut] in
 # pyproject.toml. Not part of CI: it takes tens of minutes on 2 cores.
 #
