@@ -60,7 +60,7 @@ class SamplingParams:
             _check(value is None or (_is_int(value) and 0 <= value <= 20),
                    f"{name} must be an integer between 0 and 20, got {value!r}")
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer of at least 1, got {self.n!r}")
-        _check(self.stop_token_ids is None or all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
+        _check(self.stop_token_ids is None or all(map(_is_token_id, self.stop_token_ids)),
                f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         stops = self.stop if self.stop is not None else ()
         stops = (stops,) if isinstance(stops, str) else tuple(stops)
@@ -75,7 +75,7 @@ class SamplingParams:
         _check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         for token, bias in (self.logit_bias or {}).items():
-            _check(_is_int(token) and 0 <= token <= INT64_MAX, f"logit_bias key {token!r} is not a token id")
+            _check(_is_token_id(token), f"logit_bias key {token!r} is not a token id")
             _check(_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
                    f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
 
@@ -100,6 +100,10 @@ class SamplingParams:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: Any) -> bool:
+    return _is_int(value) and 0 <= value <= INT64_MAX
 
 
 def _is_real(value: Any) -> bool:
