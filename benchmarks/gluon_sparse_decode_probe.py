@@ -2,7 +2,8 @@
 
 The kernel is production's `kvserve/model/deepseek_v4/kernels/sparse_decode_gluon.py` (its
 module doc says how it works); this probe checks and times its variants: key rows a ring slot
-(BLOCK_N) and ring depth (STAGES). Our Triton kernel
+(BLOCK_N), ring depth (STAGES) and dim parts (programs a token: 1, two consumer warpgroups
+each with half the output dims; "parts2", two programs a token of one consumer each). Our Triton kernel
 (`sparse_attention.py`, planned path, block_n 64, one split) reads its bytes at ~29% of copy
 bandwidth at batch 256 (134 us).
 
@@ -22,6 +23,10 @@ probed as "n64 st2 overlap" and "n32 st4 overlap": 7-23% slower than "n64 st2" a
 and 512 (H100, 2026-12-05, docs/BENCHMARKS.md), and removed. Split-S with fp32
 partial scores needs 2 x 16 KB of exchange at BLOCK_N 64, more than "n64 st2" leaves free
 (about 30 KB); at BLOCK_N 32 it fits.
+Dim parts ("parts2"): two programs a token fill 128 of 132 SMs at batch 64 where one part fills
+64; at 256 and 512 they double the gathers into shared memory for the same work. H100,
+2026-12-06 (docs/BENCHMARKS.md): batch 64 33.4 -> 25.0 us, 256 85.7 -> 95.1, 512 160.7 -> 181.4;
+production takes two parts only while they fit one wave (`dim_parts`).
 
     python3 benchmarks/gluon_sparse_decode_probe.py --compile-only   # no GPU: compile every variant
         # for sm_90, print ptxas registers / spills, shared memory and the count of
@@ -47,24 +52,26 @@ WINDOW_KEYS, CHOSEN_KEYS = 128, 512
 MAX_KEYS = WINDOW_KEYS + CHOSEN_KEYS
 LOG2E = 1.4426950408889634
 ROW_ALIGN = HEAD_DIM   # the probe's storage is [rows, 512]: a row id is its offset / 512
-# name -> (BLOCK_N key rows per ring slot, STAGES); a slot holds BLOCK_N KB.
-VARIANTS = {"n64 st2": (64, 2), "n32 st4": (32, 4), "n32 st2": (32, 2)}
+# name -> (BLOCK_N key rows per ring slot, STAGES, dim parts); a slot holds BLOCK_N KB.
+VARIANTS = {"n64 st2": (64, 2, 1), "n32 st4": (32, 4, 1), "n32 st2": (32, 2, 1),
+            "n64 st2 parts2": (64, 2, 2), "n32 st4 parts2": (32, 4, 2)}
 
 
-def gluon_sparse_decode(q, storage, rows, sinks, out, scale: float, block_n: int, stages: int):
+def gluon_sparse_decode(q, storage, rows, sinks, out, scale: float, block_n: int, stages: int, parts: int):
     """Production's kernel on the probe's inputs: rows [T, max_keys] int64 storage row ids."""
-    return sd.sparse_decode_gluon(q, storage, rows, ROW_ALIGN, sinks, scale * LOG2E, out, block_n, stages)
+    return sd.sparse_decode_gluon(q, storage, rows, ROW_ALIGN, sinks, scale * LOG2E, out, block_n, stages, parts)
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
-def compile_variant(block_n: int, stages: int):
-    """Compile the kernel for sm_90 without a GPU, specialized as a launch on MAX_KEYS would be."""
+def compile_variant(block_n: int, stages: int, parts: int):
+    """Compile production's kernel for sm_90 without a GPU, specialized as a launch on MAX_KEYS
+    would be."""
     signature = {"q_ptr": "*bf16", "storage_ptr": "*bf16", "plan_ptr": "*i64", "sinks_ptr": "*fp32",
                  "out_ptr": "*bf16", "qk_scale": "fp32", "stride_qt": "i32", "stride_pt": "i32", "stride_ot": "i32",
                  "max_keys": "i32"}
     constexprs = {"HEADS": HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_N": block_n, "STAGES": stages, "CHUNK": sd.CHUNK,
-                  "MAX_TILES": sd.max_tiles(MAX_KEYS, block_n), "ROW_ALIGN": ROW_ALIGN}
+                  "MAX_TILES": sd.max_tiles(MAX_KEYS, block_n), "ROW_ALIGN": ROW_ALIGN, "PARTS": parts}
     aligned = [n for n in signature if n.endswith("_ptr") or n.startswith("stride_") or n == "max_keys"]
     return compile_sm90(sd._sparse_decode_kernel, signature, constexprs, aligned, sd.CONSUMER_WARPS.value)
 

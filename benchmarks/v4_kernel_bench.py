@@ -3,7 +3,7 @@
 HCA rate 128; bf16 pages), against the device's measured copy bandwidth.
 
     python benchmarks/v4_kernel_bench.py [--quick] [--batches 1 64 256] [--contexts 4096 32768 131072]
-                                         [--block-size 16] [--no-extras]
+                                         [--block-size 16] [--no-extras] [--gluon-dim-parts {1,2,auto}]
 
 Per decode shape (one token per sequence at `context`), each variant is
 first checked against a torch reference on the same pages (attention: the
@@ -31,6 +31,7 @@ With --no-extras the compressor and prefill-chunk indexer timings are skipped.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from dataclasses import dataclass, fields, replace
@@ -450,6 +451,18 @@ def bench_prefill_chunk(chunk: int, context: int, block_size: int, copy_gbs: flo
           f"({flops / score_ms / 1e9:6.1f} TFLOP/s)  top-k {1e3 * top_k_ms:8.1f} us")
 
 
+def set_gluon_dim_parts(choice: str) -> str:
+    """The Gluon sparse decode kernel's dim parts (programs a token) for this run: 1 or 2 for
+    every launch, or `auto`, its rule with the threshold at half the SM count (the kernel reads
+    its module's defaults at each launch). Returns the setting, for the run's header."""
+    gluon = importlib.import_module("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon")
+    if choice == "auto":
+        gluon.DIM_PARTS_MAX_TOKENS = gluon.sm_count(torch.device(DEVICE)) // 2
+        return f"auto (2 up to {gluon.DIM_PARTS_MAX_TOKENS} tokens)"
+    gluon.DIM_PARTS_FORCED = int(choice)
+    return choice
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=None)
@@ -464,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-k-group-list", choices=("on", "off"), default=None,
                         help="the top-k's TopKConfig.group_list (compact from the listed groups only); default: "
                              "TOP_K_CONFIG's")
+    parser.add_argument("--gluon-dim-parts", choices=("1", "2", "auto"), default=None,
+                        help="the Gluon sparse decode kernel's dim parts (programs a token): 1 or 2 for every "
+                             "launch, auto: its rule with the threshold at half the SM count; default: the module's")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--prefill-context", type=int, default=32768)
     args = parser.parse_args(argv)
@@ -471,10 +487,11 @@ def main(argv: list[str] | None = None) -> None:
         indexer.TOP_K_CONFIG = replace(indexer.TOP_K_CONFIG, group_list=args.top_k_group_list == "on")
     batches = args.batches or ([64, 256] if args.quick else [1, 64, 256])
     contexts = args.contexts or ([32768] if args.quick else [4096, 32768, 131072])
+    dim_parts = set_gluon_dim_parts(args.gluon_dim_parts) if args.gluon_dim_parts else "the module's default"
     torch.manual_seed(0)
     started = time.time()
     copy_gbs = copy_bandwidth_gbs()
-    print(f"device: {torch.cuda.get_device_name()}; top-k config {indexer.TOP_K_CONFIG}")
+    print(f"device: {torch.cuda.get_device_name()}; top-k config {indexer.TOP_K_CONFIG}; Gluon dim parts {dim_parts}")
     print(f"copy bandwidth (D2D, read+write): {copy_gbs:.0f} GB/s")
     print("columns: shape, kernel, median us, GB/s over the kernel's minimum bytes (top-k: none), % of copy, config")
     rows = []

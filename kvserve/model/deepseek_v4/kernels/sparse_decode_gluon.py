@@ -19,6 +19,18 @@ The plan lists a token's valid keys first and -1 after them (window keys, then t
 visible entries): keys past the count of valid ids are masked, and a token with none (a
 padding row) outputs zeros.
 
+Dim parts (`parts=2`, 8 warps a program): where one program a token leaves SMs idle (64 tokens
+on 132 SMs), programs 2t and 2t + 1 each run one consumer warpgroup beside the producer: the full
+S (all 512 dims of Q and K are read, as with one part) and P V for their own 256 output dims. No
+partials and no reduce: each program stores its half of the output, exactly as a consumer of
+the one-part kernel does. Part p gathers Q and the key rows with their dims rotated by p x 256
+(shared column d holds dim (d + 256 p) % 512): S = Q K^T is blind to a permutation of the dims
+common to both, and the consumer's V is always the slot's first 256 columns, a constexpr slice.
+The two programs of a token are neighbours in the grid, so the second's key rows mostly come from
+L2. `dim_parts` picks the count from the shapes alone (so CUDA-graph warm-up, capture and replay
+agree): two parts while they fit one wave. H100, 640 keys a token (the probe, 2026-12-06): 64
+tokens 33.4 -> 25.0 us; 256 tokens 85.7 -> 95.1 us (3.9 waves instead of 2), so one part there.
+
 H200 (`benchmarks/gluon_sparse_decode_probe.py`, "n64 st2", 640 keys a token, 2026-12-04, the probe's
 copy of this kernel with int32 row ids):
 batch 64 32.4 us (34% of copy bandwidth), 256 80.1 us (55%), 512 154.5 us (57%), against the
@@ -46,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 
 from kvserve.attention.kernels.common import env_switch
 from kvserve.attention.kernels.prefill_gluon import ring_barriers
+from kvserve.model.deepseek_v4.kernels.pages import sm_count
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +73,16 @@ PRODUCER_THREADS = gl.constexpr(PRODUCER_WARPS.value * 32)
 # setmaxnreg budgets: the kernel starts at 168 a thread for 384 threads; 2 x 128 x 240 +
 # 128 x 24 = 168 x 384. The consumers hold O_half (128) + S + P; the producer one chunk's addresses.
 CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(240), gl.constexpr(24)
+# Two dim parts (8 warps): the kernel starts at 256 a thread for 256 threads (.maxnreg 256: the
+# whole 64K register file, ptxas reports 255 used), so nothing is short: the one consumer (the
+# default partition) rises to setmaxnreg's ceiling, 256, and the producer keeps 40, where 24 spills
+# 4 bytes (the rotated dims' address arithmetic; 32 is the least without spills).
+PART_PRODUCER_REGS = gl.constexpr(40)
+# Dim parts up to this many tokens (and while 2 programs a token fit one wave of the SMs; 0: one
+# part always). H100, 2026-12-06 (docs/BENCHMARKS.md): the kernel alone at 64 tokens 33.4 -> 25.0 us,
+# the CSA decode path as a graph 131.9 -> 123.3 us; at 256 tokens two parts were slower (85.7 -> 95.1).
+DIM_PARTS_MAX_TOKENS = 66
+DIM_PARTS_FORCED: int | None = None   # benchmarks: 1 or 2 for every launch; None: `dim_parts`' rule
 
 
 _BROKEN = {"reason": None}   # set when the kernel failed to build (a Triton without this Gluon API)
@@ -113,9 +136,21 @@ def _stage_ids(plan_ptr, ids_smem, max_keys, IDS_POW2: gl.constexpr, CHUNK: gl.c
 
 
 @gluon.jit
-def _copy_q(q_ptr, q_smem, q_ready, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr):
+def _row_dims(part, PARTS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """The global dim of each shared column: part p's rows rotated by p x HEAD_DIM / PARTS, so
+    that its own output dims sit in the first columns. Whole half rows move: 16-byte copies stay
+    16-byte aligned."""
+    dims = gl.arange(0, HEAD_DIM, layout=layout)
+    if PARTS > 1:
+        dims = (dims + part * (HEAD_DIM // PARTS)) % HEAD_DIM
+    return dims
+
+
+@gluon.jit
+def _copy_q(q_ptr, q_smem, q_ready, part, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr,
+            PARTS: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    dims = _row_dims(part, PARTS, HEAD_DIM, gl.SliceLayout(0, layout))
     for c in gl.static_range(HEADS // CHUNK):
         heads = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
         async_copy.async_copy_global_to_shared(q_smem.slice(c * CHUNK, CHUNK), q_ptr + heads[:, None] * HEAD_DIM
@@ -124,12 +159,12 @@ def _copy_q(q_ptr, q_smem, q_ready, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
 
 
 @gluon.jit
-def _gather_tile(storage_ptr, ids_smem, k_buf, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 CHUNK: gl.constexpr, ROW_ALIGN: gl.constexpr):
+def _gather_tile(storage_ptr, ids_smem, k_buf, j, part, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 CHUNK: gl.constexpr, ROW_ALIGN: gl.constexpr, PARTS: gl.constexpr):
     """Key rows of tile j into one ring slot, CHUNK rows a copy; a plan id is the row's storage
     offset / ROW_ALIGN (a constexpr, so the copies' 16-byte alignment is known); -1 copies zeros."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    dims = _row_dims(part, PARTS, HEAD_DIM, gl.SliceLayout(0, layout))
     for c in gl.static_range(BLOCK_N // CHUNK):
         ids = ids_smem.index(j * (BLOCK_N // CHUNK) + c).load(gl.SliceLayout(1, layout))
         offs = gl.maximum(ids, 0) * ROW_ALIGN
@@ -138,17 +173,19 @@ def _gather_tile(storage_ptr, ids_smem, k_buf, j, BLOCK_N: gl.constexpr, HEAD_DI
 
 
 @gluon.jit
-def _producer(q_ptr, storage_ptr, plan_ptr, max_keys, n_tiles, q_smem, k_smem, ids_smem, q_ready, ready, empty,
-              HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CHUNK: gl.constexpr, IDS_POW2: gl.constexpr, ROW_ALIGN: gl.constexpr):
-    """One warpgroup: Q, then tile j into slot j % STAGES once both consumers freed it."""
+def _producer(q_ptr, storage_ptr, plan_ptr, max_keys, n_tiles, part, q_smem, k_smem, ids_smem, q_ready, ready,
+              empty, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CHUNK: gl.constexpr, IDS_POW2: gl.constexpr, ROW_ALIGN: gl.constexpr, PARTS: gl.constexpr):
+    """One warpgroup: Q, then tile j into slot j % STAGES once every consumer freed it; dims
+    rotated for dim part `part` of PARTS."""
     ids_smem = _stage_ids(plan_ptr, ids_smem, max_keys, IDS_POW2, CHUNK)
-    _copy_q(q_ptr, q_smem, q_ready, HEADS, HEAD_DIM, CHUNK)
+    _copy_q(q_ptr, q_smem, q_ready, part, HEADS, HEAD_DIM, CHUNK, PARTS)
     for j in range(n_tiles):
         slot = j % STAGES
         # a fresh barrier counts as having finished the phase before 0: the first lap passes
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        _gather_tile(storage_ptr, ids_smem, k_smem.index(slot), j, BLOCK_N, HEAD_DIM, CHUNK, ROW_ALIGN)
+        _gather_tile(storage_ptr, ids_smem, k_smem.index(slot), j, part, BLOCK_N, HEAD_DIM, CHUNK, ROW_ALIGN,
+                     PARTS)
         # fires once this thread's copies have landed; `ready` counts every producer thread
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
     _drain(q_ready, ready, n_tiles, STAGES)
@@ -245,7 +282,8 @@ def _consumer_state(sinks_ptr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOC
 def _consumer(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready, ready, empty, n_valid, n_tiles,
               qk_scale, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr):
-    """One warpgroup: all 64 heads x output dims [wg * 256, (wg + 1) * 256)."""
+    """One warpgroup: all 64 heads x the slot's columns [wg * 256, (wg + 1) * 256) as output dims
+    (of `out_ptr`, which a dim part has moved to its own half)."""
     m_i, l_i, acc, s_zero = _consumer_state(sinks_ptr, HEADS, HEAD_DIM, BLOCK_N)
     mbarrier.wait(q_ready, 0)
     for j in range(n_tiles):
@@ -259,45 +297,57 @@ def _consumer(wg: gl.constexpr, sinks_ptr, out_ptr, q_smem, k_smem, q_ready, rea
 
 @gluon.jit
 def shared_state(HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 IDS_POW2: gl.constexpr, ID_TYPE: gl.constexpr):
+                 IDS_POW2: gl.constexpr, ID_TYPE: gl.constexpr, CONSUMERS: gl.constexpr):
     """Shared memory: Q, the key ring, the row ids, and the ring's barriers (`ready` counts every
-    producer thread, `empty` one arrival per consumer warpgroup)."""
+    producer thread, `empty` one arrival per consumer warpgroup, CONSUMERS of them)."""
     qk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, HEAD_DIM], gl.bfloat16)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, HEAD_DIM], qk_layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_layout)
     ids_smem = gl.allocate_shared_memory(ID_TYPE, [IDS_POW2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready, ready = ring_barriers(1, PRODUCER_THREADS), ring_barriers(STAGES, PRODUCER_THREADS)
-    return q_smem, k_smem, ids_smem, q_ready, ready, ring_barriers(STAGES, 2)
+    return q_smem, k_smem, ids_smem, q_ready, ready, ring_barriers(STAGES, CONSUMERS)
 
 
 @gluon.jit
 def _sparse_decode_kernel(q_ptr, storage_ptr, plan_ptr, sinks_ptr, out_ptr, qk_scale, stride_qt, stride_pt,
                           stride_ot, max_keys, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr,
-                          MAX_TILES: gl.constexpr, ROW_ALIGN: gl.constexpr):
-    """Program = one token. q/out rows are [HEADS, HEAD_DIM] contiguous within a token."""
-    t = gl.program_id(0).to(gl.int64)
+                          MAX_TILES: gl.constexpr, ROW_ALIGN: gl.constexpr, PARTS: gl.constexpr):
+    """Program = one token's dim part (PARTS 1: the whole token; 2: programs 2t and 2t + 1, side
+    by side). q/out rows are [HEADS, HEAD_DIM] contiguous within a token."""
+    t = (gl.program_id(0) // PARTS).to(gl.int64)
+    part = gl.program_id(0) % PARTS
     IDS_POW2: gl.constexpr = MAX_TILES * BLOCK_N
     gl.static_assert(BLOCK_N % CHUNK == 0, "a tile is gathered CHUNK rows at a time")
     gl.static_assert(HEADS == 64, "the heads are one warpgroup's wgmma M")
+    gl.static_assert(PARTS == 1 or PARTS == 2, "one part (two consumers) or two (one consumer each)")
     plan_ptr += t * stride_pt
     n_valid = _count_valid(plan_ptr, max_keys, IDS_POW2)
     n_tiles = gl.cdiv(n_valid, BLOCK_N)
     q_ptr += t * stride_qt
-    out_ptr += t * stride_ot
+    out_ptr += t * stride_ot + part * (HEAD_DIM // PARTS)
     q_smem, k_smem, ids_smem, q_ready, ready, empty = shared_state(HEADS, HEAD_DIM, BLOCK_N, STAGES, IDS_POW2,
-                                                                   gl.int64)
+                                                                   gl.int64, 2 // PARTS)
     # arguments spelled out in place: a tuple bound to a name would turn the constexprs into tensors
-    gl.warp_specialize([
-        (_consumer, (0, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
-                     qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES)),
-        (_consumer, (1, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
-                     qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES)),
-        (_producer, (q_ptr, storage_ptr, plan_ptr, max_keys, n_tiles, q_smem, k_smem, ids_smem,
-                     q_ready.index(0), ready, empty, HEADS, HEAD_DIM, BLOCK_N, STAGES, CHUNK, IDS_POW2,
-                     ROW_ALIGN)),
-    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    if PARTS == 1:
+        gl.warp_specialize([
+            (_consumer, (0, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
+                         qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_consumer, (1, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
+                         qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_producer, (q_ptr, storage_ptr, plan_ptr, max_keys, n_tiles, part, q_smem, k_smem, ids_smem,
+                         q_ready.index(0), ready, empty, HEADS, HEAD_DIM, BLOCK_N, STAGES, CHUNK, IDS_POW2,
+                         ROW_ALIGN, PARTS)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, sinks_ptr, out_ptr, q_smem, k_smem, q_ready.index(0), ready, empty, n_valid, n_tiles,
+                         qk_scale, HEADS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_producer, (q_ptr, storage_ptr, plan_ptr, max_keys, n_tiles, part, q_smem, k_smem, ids_smem,
+                         q_ready.index(0), ready, empty, HEADS, HEAD_DIM, BLOCK_N, STAGES, CHUNK, IDS_POW2,
+                         ROW_ALIGN, PARTS)),
+        ], [PRODUCER_WARPS], [PART_PRODUCER_REGS])
 
 
 def max_tiles(max_keys: int, block_n: int = BLOCK_N) -> int:
@@ -305,19 +355,31 @@ def max_tiles(max_keys: int, block_n: int = BLOCK_N) -> int:
     return triton.next_power_of_2(triton.cdiv(max(max_keys, 1), block_n))
 
 
+def dim_parts(num_tokens: int, num_sms: int) -> int:
+    """Programs a token: 2 while two a token still fit one wave of `num_sms` and num_tokens is at
+    most DIM_PARTS_MAX_TOKENS, else 1 (DIM_PARTS_FORCED, where set, for every launch). Shapes
+    only, never data: a CUDA graph's warm-up, capture and replays launch alike."""
+    if DIM_PARTS_FORCED is not None:
+        return DIM_PARTS_FORCED
+    return 2 if num_tokens <= DIM_PARTS_MAX_TOKENS and 2 * num_tokens <= num_sms else 1
+
+
 def sparse_decode_gluon(q: torch.Tensor, storage: torch.Tensor, plan: torch.Tensor, row_align: int,
                         sinks: torch.Tensor, qk_scale: float, out: torch.Tensor, block_n: int = BLOCK_N,
-                        stages: int = STAGES) -> torch.Tensor:
+                        stages: int = STAGES, parts: int | None = None) -> torch.Tensor:
     """out [T, 64, 512] = attention of q [T, 64, 512] over the plan's keys [T, max_keys] (int64
     storage offsets / row_align, valid first, -1 after) plus one sink logit per head (sinks [64]
     float32); `qk_scale` in log2 units. The caller checked `supports`. `block_n` and `stages`
-    are the probe's variants; the defaults are the fastest measured."""
+    are the probe's variants; the defaults are the fastest measured. `parts`: programs a token
+    (1 or 2 dim parts); None: `dim_parts`' choice for this many tokens on q's device."""
     num_tokens, max_keys = plan.shape
     if num_tokens == 0:
         return out
-    _sparse_decode_kernel[(num_tokens, )](
+    if parts is None:
+        parts = dim_parts(num_tokens, sm_count(q.device))
+    _sparse_decode_kernel[(num_tokens * parts, )](
         q, storage, plan, sinks, out, qk_scale, q.stride(0), plan.stride(0), out.stride(0), max_keys,
         HEADS=HEADS, HEAD_DIM=HEAD_DIM, BLOCK_N=block_n, STAGES=stages, CHUNK=CHUNK,
-        MAX_TILES=max_tiles(max_keys, block_n), ROW_ALIGN=row_align,
+        MAX_TILES=max_tiles(max_keys, block_n), ROW_ALIGN=row_align, PARTS=parts,
         num_warps=CONSUMER_WARPS.value)
     return out
