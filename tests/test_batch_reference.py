@@ -29,16 +29,22 @@ def _request(rng: random.Random, name: str, num_prompt: int, num_output: int, pe
     return request
 
 
-def _row(rng: random.Random, name: str, decode: bool, pending: bool) -> ScheduledRequest:
-    """A decode row (its one last token, pending or known) or a prefill chunk, which
-    ends at the request's last token (samples) or before it (does not)."""
+def _row(rng: random.Random, name: str, kind: str, pending: bool) -> ScheduledRequest:
+    """A row of `kind`: "decode", its one last token (pending or known); "prefill", a
+    prompt chunk, which ends at the request's last token (samples) or before it (does
+    not); "resumed", a chunk of a request with output tokens (a preempted one computed
+    again), from anywhere in its prompt or outputs, which may cross into the outputs and
+    end on the pending token."""
     num_prompt = rng.randint(1, 30)
-    if decode:
-        request = _request(rng, name, num_prompt, rng.randint(1, 9), int(pending))
+    if kind == "prefill":
+        request = _request(rng, name, num_prompt, 0, 0)
+        start = rng.randrange(num_prompt)
+        return ScheduledRequest(request, rng.randint(1, num_prompt - start), start)
+    request = _request(rng, name, num_prompt, rng.randint(1, 9), int(pending))
+    if kind == "decode":
         return ScheduledRequest(request, 1, request.num_tokens - 1)
-    request = _request(rng, name, num_prompt, 0, 0)
-    start = rng.randrange(num_prompt)
-    return ScheduledRequest(request, rng.randint(1, num_prompt - start), start)
+    start = rng.randrange(request.num_tokens)
+    return ScheduledRequest(request, rng.randint(1, request.num_tokens - start), start)
 
 
 def _tables(rng: random.Random, rows: list[ScheduledRequest], groups: int) -> list[torch.Tensor]:
@@ -98,10 +104,11 @@ def _check(out, want: dict, rows: list[ScheduledRequest], tables: list[torch.Ten
         same(slots, want["slots"][g], torch.int64, f"slot_mappings[{g}]")
 
 
-@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("seed", range(60))
 def test_a_mixed_step_matches_the_reference(seed):
     rng = random.Random(seed)
-    rows = [_row(rng, f"r{i}", rng.random() < 0.5, rng.random() < 0.5) for i in range(rng.randint(1, 9))]
+    kinds = ("decode", "prefill", "resumed")
+    rows = [_row(rng, f"r{i}", rng.choice(kinds), rng.random() < 0.5) for i in range(rng.randint(1, 12))]
     if all(s.num_new_tokens == 1 for s in rows):   # a chunk of two or more: the general path
         request = _request(rng, "chunk", 12, 0, 0)
         rows.append(ScheduledRequest(request, 5, 3))
@@ -116,7 +123,8 @@ def test_a_decode_step_matches_the_reference_on_each_path(seed, path):
     tokens looked up, and no arrays (the rows alone): each the same batch, `kept_rows`
     carried along where given."""
     rng = random.Random(seed)
-    rows = [_row(rng, f"r{i}", True, path == "on device" or rng.random() < 0.5) for i in range(rng.randint(1, 40))]
+    rows = [_row(rng, f"r{i}", "decode", path == "on device" or rng.random() < 0.5)
+            for i in range(rng.randint(1, 40))]
     tables = _tables(rng, rows, rng.choice([1, 2]))
     starts = np.array([s.start_pos for s in rows], dtype=np.int64)
     decode = None if path == "rows alone" else DecodeBatch(starts, on_device=path == "on device")

@@ -259,41 +259,6 @@ def test_slot_mapping_matches_a_per_token_walk():
     assert got.dtype == torch.int64 and got.tolist() == want
 
 
-def test_host_batch_matches_a_per_token_walk():
-    """Flat token arrays of random decode-only and mixed batches (chunks that
-    start mid-prompt, cross into output tokens, end on a pending token)
-    against a plain per-token walk."""
-    from types import SimpleNamespace
-
-    from kvserve.request import PENDING_TOKEN, Request
-    from kvserve.runner.batch import build_host_batch
-    rng = random.Random(1)
-    for trial in range(60):
-        scheduled = []
-        for _ in range(rng.randint(1, 12)):
-            prompt = [rng.randint(3, 999) for _ in range(rng.randint(1, 90))]
-            output = [rng.randint(3, 999) for _ in range(rng.randint(0, 20))]
-            request = SimpleNamespace(prompt_token_ids=prompt, output_token_ids=output)
-            request.token_ids_between = lambda a, b, r=request: Request.token_ids_between(r, a, b)
-            known = len(prompt) + len(output)
-            start = rng.randrange(known)
-            num_new = 1 if trial % 3 == 0 else rng.randint(1, known + 1 - start)   # +1: the pending token
-            scheduled.append(SimpleNamespace(request=request, start_pos=start, num_new_tokens=num_new))
-        host = build_host_batch(scheduled, [torch.zeros(len(scheduled), 1, dtype=torch.int32)])
-        ids, positions, seq_idx, starts = [], [], [], [0]
-        for i, s in enumerate(scheduled):
-            tokens = s.request.prompt_token_ids + s.request.output_token_ids + [PENDING_TOKEN]
-            for pos in range(s.start_pos, s.start_pos + s.num_new_tokens):
-                ids.append(tokens[pos])
-                positions.append(pos)
-                seq_idx.append(i)
-            starts.append(starts[-1] + s.num_new_tokens)
-        assert host.input_ids.tolist() == ids and host.positions.tolist() == positions
-        assert host.seq_idx.tolist() == seq_idx and host.query_start_loc.tolist() == starts
-        assert host.query_start_loc.dtype == torch.int32 and host.positions.dtype == torch.int64
-        assert host.seq_lens.tolist() == [s.start_pos + s.num_new_tokens for s in scheduled]
-
-
 def test_a_new_row_count_slices_the_layout_of_its_capacity():
     """Decode-shaped uploads whose row count changes every step (a request finishing
     each): counts of one power-of-two capacity share each slot's layout, every view
