@@ -112,7 +112,7 @@ class Request:
         self.checks_each_token = params.logprobs is not None or bool(params.stop_strings)
 
     # -- timeline (read by RequestOutput.metrics and kvserve.diagnose) --------
-    def record_event(self, event: str, tokens: int = 0) -> None:
+    def record_event(self, event: str, tokens: int) -> None:
         self.events.append((time.monotonic(), event, tokens))
 
     def on_admitted(self, num_hit_tokens: int) -> None:
