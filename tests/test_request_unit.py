@@ -98,3 +98,11 @@ def test_finished_is_each_finished_status_and_no_other():
         request.status = status
         assert request.is_finished is (status in FINISHED_STATUSES) is status.is_finished
     assert {s.value for s in FINISHED_STATUSES} == {"stop", "length", "abort", "error"}
+
+
+def test_marks_at_one_time_keep_their_order():
+    """A request whose first token is its last: first_token, then finish, at one time
+    (sorted by time alone, not by name)."""
+    request = _request(prompt=1, output=1)
+    request.arrival_time = request.first_token_time = request.finished_time = 5.0
+    assert [m["event"] for m in request.timeline()] == ["arrival", "first_token", "finish"]
