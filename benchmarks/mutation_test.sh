@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Mutation testing of kvserve/cache/, kvserve/scheduler.py, kvserve/sampling_params.py
+# Mutation testing of kvserve/cache/, kvserve/scheduler.py, kvserve/sampling_params.py,
+# kvserve/request.py, kvserve/detokenizer.py, kvserve/outputs.py
 # and kvserve/runner/ (batch.py, staging.py, sampler.py) with mutmut
 # (pip install -e '.[mutation]'); the
 # configuration (modules, the fast CPU tests it runs) is [tool.mutmut] in
