@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import threading
 
 import httpx
 import openai
@@ -77,6 +75,16 @@ def test_out_of_range_and_unknown_fields_are_400_naming_the_field(server, path, 
     assert error["param"] == param, error
     assert not error["message"].startswith("Value error")
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("seed", [2 ** 63 - 1, -(2 ** 63)])
+def test_a_seed_at_the_schemas_edge_serves_n_choices(server, seed):
+    """Choice i samples with seed + i: at INT64_MAX that once left int64 and the request was
+    refused with a seed the client never sent."""
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "n": 3,
+                                          "temperature": 1, "seed": seed})
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
 
 
 def test_cache_salt_keeps_cached_prefixes_apart(server):
