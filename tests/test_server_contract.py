@@ -67,6 +67,7 @@ def _token_ids(server, text: str) -> list[int]:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages"),
     ("/v1/completions", {"prompt": "Hello", "cache_salt": ""}, "cache_salt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": 7}, "cache_salt"),
 ])

@@ -266,7 +266,7 @@ class ChatMessage(BaseModel):
     annotations, audio: all null here) are dropped; they carry no instruction."""
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)] | None = None   # [] is refused, as OpenAI does
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
