@@ -195,3 +195,26 @@ def test_a_finished_request_id_that_comes_back_gets_a_fresh_plan():
     sampler.forget("a")
     greedy = [SamplingParams(temperature=0)]
     assert [sampler.sample(logits, greedy, ["a"]).resolve().token_ids[0] for _ in range(4)] == [3] * 4
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-30])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_a_repetition_penalty_near_zero_samples_its_limit(penalty, temperature):
+    """As r -> 0 the seen token with the largest positive logit takes all the mass. Below
+    float32's range (5e-324 rounds to 0, 1e-40 is subnormal) the quotient was inf and a
+    sampled row's probabilities NaN: it drew token 0. Each row samples that seen token, with
+    every processed logit finite or -inf (min_tokens' ban)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, VOCAB, generator=gen) * 3
+    logits[:, [2, 3, 9, 30]] = torch.tensor([1.5, 4.0, -2.0, 3.5])   # 3: the largest positive seen logit
+    logits[:, 0] = 20.0                                             # unseen, the raw argmax
+    params = [SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=s, min_tokens=m,
+                             max_tokens=8) for s, m in ((0, 0), (1, 0), (2, 2))]
+    sampler, ids = Sampler(0, torch.device("cpu")), ["a", "b", "c"]
+    for rid in ids:
+        sampler.track(SimpleNamespace(request_id=rid, prompt_token_ids=[2, 3, 9, 9, 30], output_token_ids=[],
+                                      eos_token_ids=frozenset({EOS})))
+    processed = sampler._process(logits, params, sampler._states_for(params, ids))
+    assert not processed.isnan().any() and not (processed == float("inf")).any()
+    assert (processed.argmax(dim=-1) == 3).all()
+    assert sampler.sample(logits, params, ids).resolve().token_ids == [3, 3, 3]

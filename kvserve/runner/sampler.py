@@ -23,6 +23,13 @@ from kvserve.sampling_params import SamplingParams
 UINT64_MASK = 2 ** 64 - 1
 
 
+# Repetition penalties below this act as this (the API takes any r > 0, as vLLM's does). A positive
+# logit divided by r ~1e-40 is inf in float32 (5e-324 rounds to 0), and softmax then gives NaN
+# probabilities: a sampled row drew token 0. At 1e-28 a logit of 1e3 becomes 1e31, finite under
+# any sampling temperature (>= 1e-5), and the seen tokens keep their order: the limit r -> 0.
+REPETITION_FLOOR = 1e-28
+
+
 class RequestFailed(Exception):
     """Sampling state for these requests could not be built; the others are fine."""
 
@@ -364,8 +371,8 @@ class PenaltyBuffers:
         self._materialize(x.shape[1])
         idx = upload(torch.tensor([i for i, _, _ in rows], dtype=torch.long), x.device)
         slots = upload(torch.tensor([s for _, _, s in rows], dtype=torch.long), x.device)
-        values = upload(torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-                                      for _, p, _ in rows], dtype=torch.float32), x.device)
+        values = upload(torch.tensor([[max(p.repetition_penalty, REPETITION_FLOOR), p.frequency_penalty,
+                                       p.presence_penalty] for _, p, _ in rows], dtype=torch.float32), x.device)
         rep, freq, pres = (values[:, k:k + 1] for k in range(3))
         counts = self.counts[slots].float()
         seen = (counts > 0) | self.prompt_mask[slots]
