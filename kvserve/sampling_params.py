@@ -97,6 +97,21 @@ class SamplingParams:
     def with_max_tokens(self, max_tokens: int) -> "SamplingParams":
         return replace(self, max_tokens=max_tokens)
 
+    def choices(self) -> list["SamplingParams"]:
+        """One request's params per choice of `n`: n = 1 each, choice i seeded `child_seed(seed, i)`
+        so seeded samples differ (vLLM's seed + i)."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=child_seed(self.seed, i)) for i in range(self.n)]
+
+
+def child_seed(seed: int | None, i: int) -> int | None:
+    """Choice i's seed: seed + i, wrapped into int64 as two's complement does, so a seed at the
+    edge with n > 1 stays a seed the sampler takes (no error about a value nobody sent)."""
+    if seed is None or i == 0:
+        return seed
+    return (seed + i - INT64_MIN) % 2 ** 64 + INT64_MIN
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -88,3 +88,15 @@ def test_with_max_tokens_keeps_every_other_field_and_checks_the_new_one():
     assert (shorter.temperature, shorter.top_k, shorter.seed, shorter.min_tokens) == (0.5, 3, 9, 2)
     with pytest.raises(ValueError, match="min_tokens must be between 0 and max_tokens"):
         params.with_max_tokens(1)
+
+
+def test_choices_are_n_requests_of_one_seeded_apart():
+    from dataclasses import replace
+
+    from kvserve.sampling_params import INT64_MAX, INT64_MIN, child_seed
+    one = SamplingParams(temperature=0.5, seed=3)
+    assert one.choices() == [one] and one.choices()[0] is one
+    params = SamplingParams(n=3, temperature=0.5, seed=INT64_MAX, max_tokens=9)
+    assert params.choices() == [replace(params, n=1, seed=s) for s in (INT64_MAX, INT64_MIN, INT64_MIN + 1)]
+    assert [c.seed for c in SamplingParams(n=2).choices()] == [None, None]
+    assert [child_seed(-1, i) for i in range(3)] == [-1, 0, 1] and child_seed(None, 2) is None

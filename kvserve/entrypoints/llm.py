@@ -37,10 +37,11 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         # Validate everything before enqueuing anything: a bad prompt must not
-        # leave half a batch running.
-        requests = [self.engine.make_request(_prompt_value(p), sp, cache_salt=_cache_salt(p))
-                    for p, sp in zip(prompt_list, params)]
-        return self._run(requests, use_tqdm)
+        # leave half a batch running. A prompt's n choices are n requests.
+        groups = [[self.engine.make_request(_prompt_value(p), choice, cache_salt=_cache_salt(p))
+                   for choice in sp.choices()] for p, sp in zip(prompt_list, params)]
+        outputs = self._run([r for group in groups for r in group], use_tqdm)
+        return _merge_choices(outputs, [len(group) for group in groups])
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -78,6 +79,20 @@ class LLM:
         """Forget every cached prefix (GPU and host tier), as vLLM's `LLM` does;
         False, changing nothing, while requests still hold blocks."""
         return self.engine.kv_cache.reset_prefix_cache()
+
+
+def _merge_choices(outputs: list[RequestOutput], sizes: list[int]) -> list[RequestOutput]:
+    """One RequestOutput a prompt, as vLLM's: the first choice's request with every choice's
+    completion, indexed 0 .. n - 1 in order."""
+    merged, start = [], 0
+    for size in sizes:
+        group, start = outputs[start:start + size], start + size
+        completions = [out.outputs[0] for out in group]
+        for i, completion in enumerate(completions):
+            completion.index = i
+        group[0].outputs, group[0].finished = completions, all(out.finished for out in group)
+        merged.append(group[0])
+    return merged
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

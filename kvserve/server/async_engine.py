@@ -27,9 +27,9 @@ from typing import Any, AsyncIterator
 from kvserve.engine.core_protocol import (
     CoreInputs, CoreJob, CoreOutput, CoreOutputs, CoreRequest, Rejection, pack_sampling_params)
 from kvserve.outputs import PromptLogprobRow
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, child_seed
 from kvserve.server.output_processor import ChoiceOutput
-from kvserve.server.protocol import APIError, INT64_MIN
+from kvserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -416,12 +416,10 @@ class AsyncEngine:
 
 
 def _child_params(params: dict[str, Any], i: int) -> dict[str, Any]:
-    """Choice i of n: the same params, but a distinct seed so samples differ: seed + i,
-    wrapped into int64 as two's complement does, so a seed at the schema's edge with n > 1
-    stays a seed the sampler takes (no error about a value the client never sent)."""
+    """Choice i of n: the same params, but a distinct seed so samples differ (`child_seed`)."""
     if i == 0 or params.get("seed") is None:
         return params
-    return {**params, "seed": (params["seed"] + i - INT64_MIN) % 2 ** 64 + INT64_MIN}
+    return {**params, "seed": child_seed(params["seed"], i)}
 
 
 def _core_params(params: SamplingParams) -> tuple[bytes, str | None]:
