@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -60,3 +60,14 @@ def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def find_stop(text: str, checked: int, stops: Sequence[str]) -> tuple[int, str | None]:
+    """Where the first of `stops` (in their order) begins in `text`, counting only matches that
+    end past the `checked` characters scanned before, as vLLM's check: (index, the stop string),
+    or (-1, None). The in-process engine and the API side both cut here."""
+    for stop in stops:
+        at = text.find(stop, max(0, checked - len(stop) + 1))
+        if at >= 0:
+            return at, stop
+    return -1, None

@@ -310,16 +310,18 @@ class LLMEngine:
         return None
 
     def _hit_stop_string(self, request: Request) -> bool:
+        """A stop string ends in the new text. Not before min_tokens outputs (vLLM's rule): the
+        text up to then is marked checked, so a match must end after it."""
         text = self.output_text_so_far(request)
-        # Only the tail can hold a new match: the text before it was checked.
-        start = max(0, request.stop_checked_chars - max(len(s) for s in request.sampling_params.stop_strings) + 1)
-        request.stop_checked_chars = len(text)
-        for stop in request.sampling_params.stop_strings:
-            at = text.find(stop, start)
-            if at >= 0:
-                request.output_text, request.stop_reason = text[:at], stop
-                return True
-        return False
+        checked, request.stop_checked_chars = request.stop_checked_chars, len(text)
+        params = request.sampling_params
+        if len(request.output_token_ids) <= params.min_tokens:
+            return False
+        at, stop = detokenizer.find_stop(text, checked, params.stop_strings)
+        if stop is None:
+            return False
+        request.output_text, request.stop_reason = text[:at], stop
+        return True
 
     def output_text_so_far(self, request: Request) -> str:
         """The request's output text as far as it is final (incremental, see

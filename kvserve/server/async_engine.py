@@ -279,7 +279,8 @@ class AsyncEngine:
             for i in range(job.n):
                 params = SamplingParams(**_child_params(job.params, i), max_tokens=max_tokens)
                 request_id = f"{sub.id}-{p}-{i}"
-                output = ChoiceOutput(self.engine.tokenizer, params.stop_strings, params.logprobs is not None)
+                output = ChoiceOutput(self.engine.tokenizer, params.stop_strings, params.logprobs is not None,
+                                      params.min_tokens)
                 sub.choices.append(_Choice(sub, len(sub.choices), request_id, len(token_ids), output,
                                            sub.arrival_time))
                 packed, grammar_json = _core_params(params)

@@ -22,9 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 class ChoiceOutput:
-    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...], want_logprobs: bool) -> None:
+    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...], want_logprobs: bool,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
+        self.min_tokens = min_tokens   # stop strings count from the token after these (vLLM's rule)
         self.want_logprobs = want_logprobs
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
@@ -51,17 +53,16 @@ class ChoiceOutput:
         return False
 
     def _hit_stop_string(self) -> bool:
+        """As the in-process engine's `_hit_stop_string`."""
         text = self.text_so_far()
-        # Only the tail can hold a new match: the text before it was checked.
-        longest = max(len(s) for s in self.stop_strings)
-        start = max(0, self._stop_checked_chars - longest + 1)
-        self._stop_checked_chars = len(text)
-        for stop in self.stop_strings:
-            at = text.find(stop, start)
-            if at >= 0:
-                self.stop_text, self.stop_string = text[:at], stop
-                return True
-        return False
+        checked, self._stop_checked_chars = self._stop_checked_chars, len(text)
+        if len(self.token_ids) <= self.min_tokens:
+            return False
+        at, stop = detokenizer.find_stop(text, checked, self.stop_strings)
+        if stop is None:
+            return False
+        self.stop_text, self.stop_string = text[:at], stop
+        return True
 
     def text_so_far(self) -> str:
         if self.tokenizer is None:
