@@ -415,6 +415,17 @@ def test_tokenize_detokenize_version(server):
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "Hi", "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, "add_special_tokens"),
+])
+def test_tokenize_refuses_a_field_that_does_not_apply(server, body, param):
+    """Each is a field of the other input kind: taken, it would be silently ignored."""
+    assert _error(_post(server, "/tokenize", body), 400)["param"] == param
+    messages = {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}
+    assert _post(server, "/tokenize", messages).status_code == 200   # vLLM's default for chat, spelled out
+
+
 def test_api_key_request_id_and_cors(server):
     no_key = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     error = _error(no_key, 401)

@@ -343,6 +343,11 @@ class TokenizeRequest(_Strict):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise FieldError("prompt", "give exactly one of prompt or messages")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise FieldError("add_generation_prompt", "add_generation_prompt applies to messages only")
+        if self.messages is not None and self.add_special_tokens:   # vLLM's default for chat: false
+            raise FieldError("add_special_tokens", "add_special_tokens applies to prompt only: the chat "
+                                                   "template writes its own special tokens")
         return self
 
 
