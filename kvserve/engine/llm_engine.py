@@ -310,18 +310,14 @@ class LLMEngine:
         return None
 
     def _hit_stop_string(self, request: Request) -> bool:
-        """A stop string ends in the new text. Not before min_tokens outputs (vLLM's rule): the
-        text up to then is marked checked, so a match must end after it."""
-        text = self.output_text_so_far(request)
+        """A stop string ends in the new text (`detokenizer.find_stop`); the output is cut there."""
+        text, params = self.output_text_so_far(request), request.sampling_params
         checked, request.stop_checked_chars = request.stop_checked_chars, len(text)
-        params = request.sampling_params
-        if len(request.output_token_ids) <= params.min_tokens:
-            return False
-        at, stop = detokenizer.find_stop(text, checked, params.stop_strings)
-        if stop is None:
-            return False
-        request.output_text, request.stop_reason = text[:at], stop
-        return True
+        at, stop = detokenizer.find_stop(text, checked, params.stop_strings, len(request.output_token_ids),
+                                         params.min_tokens)
+        if stop is not None:
+            request.output_text, request.stop_reason = text[:at], stop
+        return stop is not None
 
     def output_text_so_far(self, request: Request) -> str:
         """The request's output text as far as it is final (incremental, see

@@ -56,13 +56,10 @@ class ChoiceOutput:
         """As the in-process engine's `_hit_stop_string`."""
         text = self.text_so_far()
         checked, self._stop_checked_chars = self._stop_checked_chars, len(text)
-        if len(self.token_ids) <= self.min_tokens:
-            return False
-        at, stop = detokenizer.find_stop(text, checked, self.stop_strings)
-        if stop is None:
-            return False
-        self.stop_text, self.stop_string = text[:at], stop
-        return True
+        at, stop = detokenizer.find_stop(text, checked, self.stop_strings, len(self.token_ids), self.min_tokens)
+        if stop is not None:
+            self.stop_text, self.stop_string = text[:at], stop
+        return stop is not None
 
     def text_so_far(self) -> str:
         if self.tokenizer is None:
