@@ -66,7 +66,7 @@ def find_stop(text: str, checked: int, stops: Sequence[str], num_tokens: int,
               min_tokens: int) -> tuple[int, str | None]:
     """Where the first of `stops` (in their order) begins in `text`, the text of `num_tokens`
     output tokens, counting only matches that end past the `checked` characters scanned before,
-    as vLLM's check: (index, the stop string), or (-1, None). None either while num_tokens <=
+    as vLLM's check: (index, the stop string), or (-1, None). Also (-1, None) while num_tokens <=
     min_tokens: stop strings count from the token after those (vLLM's rule). The in-process
     engine and the API side both cut here."""
     if num_tokens <= min_tokens:

@@ -100,3 +100,16 @@ def test_choices_are_n_requests_of_one_seeded_apart():
     assert params.choices() == [replace(params, n=1, seed=s) for s in (INT64_MAX, INT64_MIN, INT64_MIN + 1)]
     assert [c.seed for c in SamplingParams(n=2).choices()] == [None, None]
     assert [child_seed(-1, i) for i in range(3)] == [-1, 0, 1] and child_seed(None, 2) is None
+
+
+@pytest.mark.parametrize("seed, n", [(7, 3), (2 ** 63 - 1, 3), (-(2 ** 63), 2), (2 ** 63 - 2, 64)])
+def test_each_choice_gets_a_distinct_int64_seed(seed, n):
+    """Choice i samples with seed + i, wrapped into int64 (two's complement) at the schema's edge:
+    every child seed is one SamplingParams takes, and the n of them are distinct. (The server's
+    choices and the offline API's are both `choices()`.)"""
+    seeds = [c.seed for c in SamplingParams(n=n, seed=seed, temperature=1.0).choices()]
+    assert seeds == [(seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63 for i in range(n)]
+    assert seeds[0] == seed and len(set(seeds)) == n
+    for child in seeds:
+        SamplingParams(seed=child, max_tokens=1)   # raises past int64
+    assert [c.seed for c in SamplingParams(n=2, seed=None).choices()] == [None, None]

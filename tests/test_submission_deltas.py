@@ -123,16 +123,3 @@ def test_a_choice_cut_at_a_stop_string_while_queued_sends_no_text_past_it(monkey
     request_id = engine.core.inputs[0].adds[0].requests[0].request_id
     assert request_id in [a for inputs in engine.core.inputs for a in inputs.aborts]   # the core cannot see text
 
-
-@pytest.mark.parametrize("seed, n", [(7, 3), (2 ** 63 - 1, 3), (-(2 ** 63), 2), (2 ** 63 - 2, 64)])
-def test_each_choice_gets_a_distinct_int64_seed(seed, n):
-    """Choice i samples with seed + i, wrapped into int64 (two's complement) at the schema's edge:
-    every child seed is one SamplingParams takes, and the n of them are distinct."""
-    from kvserve.sampling_params import SamplingParams
-    params = {"seed": seed, "temperature": 1.0}
-    seeds = [async_engine._child_params(params, i)["seed"] for i in range(n)]
-    assert seeds == [(seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63 for i in range(n)]
-    assert seeds[0] == seed and len(set(seeds)) == n
-    for child in seeds:
-        SamplingParams(seed=child, max_tokens=1)   # raises past int64
-    assert async_engine._child_params({"seed": None}, 2) == {"seed": None}

@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 from kvserve.engine.core_protocol import (
     CoreInputs, CoreJob, CoreOutput, CoreOutputs, CoreRequest, Rejection, pack_sampling_params)
 from kvserve.outputs import PromptLogprobRow
-from kvserve.sampling_params import SamplingParams, child_seed
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.output_processor import ChoiceOutput
 from kvserve.server.protocol import APIError
 
@@ -276,8 +276,8 @@ class AsyncEngine:
         for p, prompt in enumerate(job.prompts):
             token_ids = self._tokenize(prompt)
             max_tokens = job.max_tokens or max(1, self.engine.scheduler_config.max_model_len - len(token_ids))
-            for i in range(job.n):
-                params = SamplingParams(**_child_params(job.params, i), max_tokens=max_tokens)
+            choices = SamplingParams(**job.params, n=job.n, max_tokens=max_tokens).choices()
+            for i, params in enumerate(choices):
                 request_id = f"{sub.id}-{p}-{i}"
                 output = ChoiceOutput(self.engine.tokenizer, params.stop_strings, params.logprobs is not None,
                                       params.min_tokens)
@@ -414,13 +414,6 @@ class AsyncEngine:
         self._choices.clear()
         for sub in failed.values():
             sub.deliver(EngineDeadError(500, f"the engine failed while running this request: {reason}"))
-
-
-def _child_params(params: dict[str, Any], i: int) -> dict[str, Any]:
-    """Choice i of n: the same params, but a distinct seed so samples differ (`child_seed`)."""
-    if i == 0 or params.get("seed") is None:
-        return params
-    return {**params, "seed": child_seed(params["seed"], i)}
 
 
 def _core_params(params: SamplingParams) -> tuple[bytes, str | None]:
