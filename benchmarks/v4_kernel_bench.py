@@ -4,6 +4,7 @@ HCA rate 128; bf16 pages), against the device's measured copy bandwidth.
 
     python benchmarks/v4_kernel_bench.py [--quick] [--batches 1 64 256] [--contexts 4096 32768 131072]
                                          [--block-size 16] [--no-extras] [--gluon-dim-parts {1,2,auto}]
+                                         [--index-keys {inline,split}]
 
 Per decode shape (one token per sequence at `context`), each variant is
 first checked against a torch reference on the same pages (attention: the
@@ -70,7 +71,7 @@ class DecodePages:
     """One decode token per sequence at position context - 1: the sliding,
     CSA-entry and HCA-entry pages of one layer each, and their tables."""
 
-    def __init__(self, batch: int, context: int, block_size: int) -> None:
+    def __init__(self, batch: int, context: int, block_size: int, split_index: bool = False) -> None:
         B, slots = block_size, triton.cdiv(context, block_size)
         first_window_slot = max(0, context - WINDOW) // B
         hca_slots = [i for i in range(slots) if (i + 1) * B // HCA_RATE > i * B // HCA_RATE]
@@ -87,7 +88,12 @@ class DecodePages:
         self.batch = V4PagedBatch(self.storage, V4KVLayout(B, B * D, ()), [sliding, csa, hca], seq_idx, positions,
                                   context)
         self.sliding = PageRef(sliding, 0, B, D)
-        self.csa = PageRef(csa, 0, B // CSA_RATE, D + DI)
+        rows = B // CSA_RATE
+        if split_index:  # a page's entries [rows x D], then their indexer keys [rows x DI]
+            self.csa, self.csa_index, self.index_col = PageRef(csa, 0, rows, D), PageRef(csa, rows * D, rows, DI), 0
+        else:            # the engine's layout: each entry's row [D | DI]
+            self.csa = self.csa_index = PageRef(csa, 0, rows, D + DI)
+            self.index_col = D
         self.hca = PageRef(hca, 0, max(1, B // HCA_RATE), D)
         g = torch.Generator(device=DEVICE).manual_seed(0)
         self.q = torch.randn(batch, H, D, generator=g, device=DEVICE, dtype=DTYPE) * (8 / D) ** 0.5
@@ -99,7 +105,8 @@ class DecodePages:
         self.out = torch.empty_like(self.q)
 
     def index_scores(self, config: ScoreConfig | None = None) -> None:
-        kernels.index_scores(self.q_index, self.weights, self.csa, D, self.batch, CSA_RATE, self.scores, config)
+        kernels.index_scores(self.q_index, self.weights, self.csa_index, self.index_col, self.batch, CSA_RATE,
+                             self.scores, config)
 
     def top_k(self, config: TopKConfig | None = None) -> None:
         kernels.top_k_indices(self.scores, self.batch, CSA_RATE, TOPK, self.indices, config)
@@ -159,8 +166,8 @@ class Reference:
 
     def scores(self, tokens: list[int]) -> torch.Tensor:
         p, count = self.pages, self.context // CSA_RATE
-        rows = self._entry_rows(p.csa, torch.arange(count, device=DEVICE)[None, :], CSA_RATE)
-        return torch.stack([ref.index_scores(p.q_index[t:t + 1].float(), self._gather(rows[t] + D, DI),
+        rows = self._entry_rows(p.csa_index, torch.arange(count, device=DEVICE)[None, :], CSA_RATE)
+        return torch.stack([ref.index_scores(p.q_index[t:t + 1].float(), self._gather(rows[t] + p.index_col, DI),
                                              p.weights[t:t + 1])[0] for t in tokens])
 
     def top_k(self) -> list[list[int]]:
@@ -261,10 +268,11 @@ def top_k_grid(quick: bool) -> list[TopKConfig]:
 class Shape:
     """One decode shape: references, checked timings, best configs."""
 
-    def __init__(self, batch: int, context: int, block_size: int, copy_gbs: float) -> None:
+    def __init__(self, batch: int, context: int, block_size: int, copy_gbs: float,
+                 split_index: bool = False) -> None:
         self.batch, self.context, self.copy_gbs = batch, context, copy_gbs
         self.tag = f"bs={batch} ctx={context // 1024}K"
-        self.pages = DecodePages(batch, context, block_size)
+        self.pages = DecodePages(batch, context, block_size, split_index)
         self.ref = Reference(self.pages, context)
         self.best: dict[str, tuple[float, object]] = {}
 
@@ -480,6 +488,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gluon-dim-parts", choices=("1", "2", "auto"), default=None,
                         help="the Gluon sparse decode kernel's dim parts (programs a token): 1 or 2 for every "
                              "launch, auto: its rule with the threshold at half the SM count; default: the module's")
+    parser.add_argument("--index-keys", choices=("inline", "split"), default="inline",
+                        help="where the CSA pages keep the indexer keys: inline (the engine's: each entry's row "
+                             "is [entry | indexer key]) or split (a page's entries, then their indexer keys: each "
+                             "page's keys contiguous)")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--prefill-context", type=int, default=32768)
     args = parser.parse_args(argv)
@@ -491,13 +503,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     started = time.time()
     copy_gbs = copy_bandwidth_gbs()
-    print(f"device: {torch.cuda.get_device_name()}; top-k config {indexer.TOP_K_CONFIG}; Gluon dim parts {dim_parts}")
+    print(f"device: {torch.cuda.get_device_name()}; top-k config {indexer.TOP_K_CONFIG}; Gluon dim parts {dim_parts}; "
+          f"block size {args.block_size}; indexer keys {args.index_keys}")
     print(f"copy bandwidth (D2D, read+write): {copy_gbs:.0f} GB/s")
     print("columns: shape, kernel, median us, GB/s over the kernel's minimum bytes (top-k: none), % of copy, config")
     rows = []
     for context in contexts:
         for batch in batches:
-            shape = Shape(batch, context, args.block_size, copy_gbs)
+            shape = Shape(batch, context, args.block_size, copy_gbs, args.index_keys == "split")
             rows.append((shape, bench_shape(shape, args.quick, args.no_attention_grid, args.path_only)))
             shape.pages = shape.ref = None
             for kind in ("csa", "hca"):
