@@ -256,10 +256,11 @@ def preparation(engine: LLMEngine, a: argparse.Namespace, n: int) -> Iterator[En
 def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int) -> dict[str, float]:
     core = prepare(engine, a, n)
     stagger_limits(engine, a.finish_per_step)
-    samples, rng = [], random.Random(1)
+    samples, rng, yardstick = [], random.Random(1), Yardstick()
     before = host_counters()
     for _ in range(a.steps):
         leave(engine, a.leave_per_step, rng)
+        yardstick.measure()
         samples.append(timed_step(engine, core, timer))
     state = host_state(before, host_counters(), a.steps)
     # Median (robust to another process taking the CPU for a step) or, on a
@@ -267,11 +268,33 @@ def run_steps(engine: LLMEngine, timer: StepTimer, a: argparse.Namespace, n: int
     stat = statistics.median if a.stat == "median" else min
     row = {part: stat(s[part] for s in samples) / 1e3 for part in samples[0] if ":" not in part}
     row["free"] = time_frees(engine)
+    row["yardstick"] = yardstick.us()
     row.update(state)
     inner = {k for s in samples for k in s if ":" in k}   # `--parts`: means, a call need not come every step
     row.update({k: sum(s.get(k, 0) for s in samples) / len(samples) / (1 if k.startswith("calls:") else 1e3)
                 for k in inner})
     return row
+
+
+class Yardstick:
+    """This process's speed while the steps run: a fixed Python pass over 256
+    objects (`cuda_api_probe.python_pass`, the shape of the engine's per-request
+    loops) timed before each step, untimed for the step; `us()` is its median.
+    A virtual machine's speed changes over minutes, and two processes of the same
+    code on one host have read ~2x apart in every part of a step (docs/BENCHMARKS.md,
+    2026-12-06); where this pass moves by as much, the machine did, not the code."""
+
+    def __init__(self) -> None:
+        from cuda_api_probe import Row, python_pass
+        self._pass, self._rows, self._ns = python_pass, [Row(i) for i in range(256)], []
+
+    def measure(self) -> None:
+        start = time.perf_counter_ns()
+        self._pass(self._rows)
+        self._ns.append(time.perf_counter_ns() - start)
+
+    def us(self) -> float:
+        return statistics.median(self._ns) / 1e3 if self._ns else float("nan")
 
 
 def host_counters() -> dict[str, float]:
@@ -410,7 +433,8 @@ def print_table(rows: dict[int, dict[str, float]], stat: str) -> None:
           + ", ".join(f"{r['free']:.1f} at {n}" for n, r in rows.items()))
     print("host state over the timed steps (what else ran): " + "; ".join(
         f"{n}: {r['ivcsw']:.2f} involuntary context switches a step, machine steal {r['steal_pct']:.1f}%, "
-        f"last on core {r['core']} at {r['mhz']:.0f} MHz" for n, r in rows.items()))
+        f"last on core {r['core']} at {r['mhz']:.0f} MHz, a fixed Python pass over 256 objects "
+        f"{r['yardstick']:.1f} us (this process's speed)" for n, r in rows.items()))
     print(f"microseconds per step ({stat} over the timed steps); + serving's engine core adds it to every step "
           "(not in host_total); * not host bookkeeping: forward/sampling launch (CPU: the compute) and the wait "
           "for the step in flight; # minor page faults in the step and its metrics (the memory the host's "
