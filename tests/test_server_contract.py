@@ -78,6 +78,49 @@ def test_out_of_range_and_unknown_fields_are_400_naming_the_field(server, path, 
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+@pytest.mark.parametrize("path,body,param,message", [
+    ("/v1/completions", {"prompt": []}, "prompt", "prompt must not be empty"),
+    ("/v1/completions", {"prompt": [5, -1]}, "prompt", "prompt[1]: token id -1 is outside [0, 2147483647]"),
+    ("/v1/completions", {"prompt": [[5], [6, 2.5]]}, "prompt",
+     "prompt[1][1]: a token id is a non-negative integer, got 2.5"),
+    ("/v1/completions", {"prompt": [[5], []]}, "prompt", "prompt[1] is an empty token list"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt", "prompt[1] is an empty string"),
+    ("/v1/completions", {"prompt": ["a", 5]}, "prompt",
+     "prompt[1]: a list prompt holds strings, token ids or token-id lists, one kind throughout"),
+    ("/v1/completions", {"prompt": [True]}, "prompt", "prompt[0]: a token id is a non-negative integer, got True"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages",
+     "messages[0].content is required for role 'user'"),
+    ("/v1/chat/completions", {"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages",
+     "messages[0].content is required for role 'system'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+     "messages", "messages[1].content is required unless the message has tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "https://x"}}]}]},
+     "messages", "messages[0].content[1]: parts of type 'image_url' are not supported (text only)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "messages[0].content[0]: a text part needs a string `text`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages",
+     "messages[0].content must be a string or a non-empty list of text parts, got []"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format",
+     'the json_schema constraint does not compile: Unsupported type "nonsense"'),
+])
+def test_a_malformed_prompt_or_message_is_400_saying_what_and_where(server, path, body, param, message):
+    """Each message names the offending item; pydantic's union error named its first
+    member instead ("prompt.constrained-str: Input should be a valid string" for a
+    negative token id), and null user content was served as an empty turn."""
+    error = _error(_post(server, path, {"model": MODEL, **body}), 400)
+    assert (error["param"], error["message"]) == (param, message)
+
+
+@pytest.mark.parametrize("prompt", ["Hi", [5, 6.0], ["Hi", "Yo"], [[5], [6, 7]]])
+def test_every_prompt_form_is_served(server, prompt):
+    response = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    batched = isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+    assert len(response.json()["choices"]) == (len(prompt) if batched else 1)
+
+
 @pytest.mark.parametrize("seed", [2 ** 63 - 1, -(2 ** 63)])
 def test_a_seed_at_the_schemas_edge_serves_n_choices(server, seed):
     """Choice i samples with seed + i: at INT64_MAX that once left int64 and the request was

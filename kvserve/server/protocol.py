@@ -228,9 +228,50 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
-Prompt = Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
-               Annotated[list[NonEmptyStr], Field(min_length=1)],
-               Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+def _token_id_error(value: Any) -> str | None:
+    """What is wrong with `value` as a token id (None: nothing)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not value.is_integer()):
+        return f"a token id is a non-negative integer, got {value!r}"
+    if not 0 <= value <= INT32_MAX:
+        return f"token id {int(value)} is outside [0, {INT32_MAX}]"
+    return None
+
+
+def _prompt_item_error(item: Any, kind: type | tuple[type, ...]) -> str | None:
+    """What is wrong with one item of a list prompt whose first item is a `kind`
+    (None: nothing); an error inside a token-id list starts with its index."""
+    if not isinstance(item, kind):
+        return ": a list prompt holds strings, token ids or token-id lists, one kind throughout"
+    if isinstance(item, str):
+        return " is an empty string" if not item else None
+    if isinstance(item, list):
+        if not item:
+            return " is an empty token list"
+        return next((f"[{j}]: {e}" for j, e in enumerate(map(_token_id_error, item)) if e), None)
+    error = _token_id_error(item)
+    return f": {error}" if error else None
+
+
+def _prompt_shape(value: Any) -> Any:
+    """A prompt's shape, checked before pydantic's union, whose error would name
+    its first member only ("prompt.constrained-str: Input should be a valid
+    string" for a negative token id): the error here says what and where."""
+    if value == "" or value == []:
+        raise FieldError("prompt", "prompt must not be empty")
+    if isinstance(value, list):
+        kind = list if isinstance(value[0], list) else str if isinstance(value[0], str) else (int, float)
+        for i, item in enumerate(value):
+            error = _prompt_item_error(item, kind)
+            if error:
+                raise FieldError("prompt", f"prompt[{i}]{error}")
+    return value
+
+
+Prompt = Annotated[Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
+                         Annotated[list[NonEmptyStr], Field(min_length=1)],
+                         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]],
+                   BeforeValidator(_prompt_shape)]
 
 
 class CompletionRequest(_SamplingFields):
@@ -288,8 +329,44 @@ class ChatMessage(BaseModel):
         return message
 
 
+def _content_error(message: dict[str, Any]) -> str | None:
+    """What is wrong with a message's content, after the message's path (None:
+    nothing). Only an assistant turn that calls tools may leave it null, as
+    OpenAI rules; content parts are text only."""
+    content, role = message.get("content"), message.get("role")
+    if content is None:
+        if role == "assistant":
+            return None if message.get("tool_calls") else ".content is required unless the message has tool_calls"
+        return f".content is required for role {role!r}"
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list) or not content:
+        return f".content must be a string or a non-empty list of text parts, got {content!r:.40}"
+    return next(filter(None, map(_part_error, range(len(content)), content)), None)
+
+
+def _part_error(j: int, part: Any) -> str | None:
+    """What is wrong with content part j (None: nothing)."""
+    if not isinstance(part, dict):
+        return f".content[{j}] must be an object with a type, got {part!r:.40}"
+    if part.get("type") != "text":
+        return f".content[{j}]: parts of type {part.get('type')!r} are not supported (text only)"
+    return None if isinstance(part.get("text"), str) else f".content[{j}]: a text part needs a string `text`"
+
+
+def _messages_content(messages: Any) -> Any:
+    """Each message's content checked before the models validate it, so the
+    error names the message and the part (pydantic's union error would say
+    "messages.content.str: Input should be a valid string" for an image part)."""
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        error = _content_error(message) if isinstance(message, dict) else None
+        if error:
+            raise FieldError("messages", f"messages[{i}]{error}")
+    return messages
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1), BeforeValidator(_messages_content)]
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: StrictBool | None = None
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)

@@ -53,6 +53,12 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> Any:
                                                  stop_token_ids=sorted(stop_token_ids))
 
 
+def _xgrammar_reason(error: Exception) -> str:
+    """xgrammar's message without its log prefix ("[05:58:23] /project/cpp/json_schema_converter.cc:5082: "):
+    the client is told what is wrong with its schema, not where in xgrammar's sources."""
+    return re.sub(r"^\[[0-9:.]+\] \S+:\d+: ", "", str(error).strip())
+
+
 class GrammarCompilerPool:
     """One xgrammar compiler (with its cache) for one tokenizer and vocabulary."""
 
@@ -67,7 +73,7 @@ class GrammarCompilerPool:
         except ValueError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError on bad schemas / grammars
-            raise ValueError(f"the {kind} constraint does not compile: {e}") from e
+            raise ValueError(f"the {kind} constraint does not compile: {_xgrammar_reason(e)}") from e
         source = value if isinstance(value, str) else json.dumps(value)
         return StructuredSpec(kind, source, compiled)
 
