@@ -113,6 +113,26 @@ def test_a_malformed_prompt_or_message_is_400_saying_what_and_where(server, path
     assert (error["param"], error["message"]) == (param, message)
 
 
+@pytest.mark.parametrize("path,body,param,where", [
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt", "prompt"),   # a 500 (TypeError) before
+    ("/v1/completions", '{"prompt": ["ok", "a\\udfffb"], "max_tokens": 2}', "prompt", "prompt[1]"),
+    ("/v1/completions", '{"prompt": "ok", "stop": ["\\ud800"], "max_tokens": 2}', "stop", "stop[0]"),
+    ("/v1/completions", '{"prompt": "ok", "logit_bias": {"\\ud800": 1}}', "logit_bias", "a key of logit_bias"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages", "messages[0].content[0].text"),
+])
+def test_a_lone_surrogate_is_400_naming_where(server, path, body, param, where):
+    """JSON's \\ud800 escape parses to a lone surrogate, which UTF-8 cannot encode:
+    the tokenizer raised (a 500 from /tokenize) or the error named the wrong thing."""
+    content = body[:-1] + f', "model": "{MODEL}"}}'
+    response = httpx.post(f"{server.url}{path}", content=content.encode(), timeout=60,
+                          headers={**AUTH, "Content-Type": "application/json"})
+    error = _error(response, 400)
+    assert error["param"] == param
+    assert error["message"].startswith(f"{where} holds a lone surrogate (U+"), error
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 @pytest.mark.parametrize("prompt", ["Hi", [5, 6.0], ["Hi", "Yo"], [[5], [6, 7]]])
 def test_every_prompt_form_is_served(server, prompt):
     response = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})

@@ -8,6 +8,7 @@ an unknown field is rejected: nothing is silently ignored.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
@@ -58,6 +59,44 @@ class FieldError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_at(body: Any) -> tuple[str | None, str, str] | None:
+    """(top-level field, path, character) of the first lone UTF-16 surrogate in a
+    JSON body's strings or keys: JSON's "\\ud800" escape parses to one, which UTF-8
+    cannot encode, so the tokenizer, the chat template or xgrammar would fail on it.
+    A key is named by the object holding it (the key itself cannot be printed)."""
+    stack: list[tuple[str | None, str, Any]] = [(None, "", body)]
+    while stack:
+        field, path, value = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                return field, path, found.group()
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):
+            name = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+            stack.append((field or name, name, item))
+            if isinstance(key, str) and _SURROGATE.search(key):
+                stack.append((field or path or None, f"a key of {path or 'the body'}", key))
+    return None
+
+
+class _Request(_Strict):
+    """A request body: its text must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        found = _surrogate_at(body)
+        if found:
+            field, path, char = found
+            raise FieldError(field, f"{path} holds a lone surrogate (U+{ord(char):04X}): not valid Unicode")
+        return body
 
 
 class StreamOptions(_Strict):
@@ -129,7 +168,7 @@ class ToolCall(BaseModel):
 
 
 # -- the shared sampling fields ----------------------------------------------------------
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     """Fields shared by both endpoints."""
 
     model: StrictStr
@@ -409,7 +448,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -428,7 +467,7 @@ class TokenizeRequest(_Strict):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     model: StrictStr | None = None
     tokens: list[TokenId]
 
