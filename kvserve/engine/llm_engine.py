@@ -15,6 +15,7 @@ from kvserve.config import EngineArgs
 from kvserve import detokenizer
 from kvserve.diagnose.recorder import RequestRecorder
 from kvserve.engine.builder import EngineParts, build_engine_parts
+from kvserve.inputs import surrogate_error
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprobs_of
 from kvserve.request import FINISHED_STATUSES, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -90,6 +91,8 @@ class LLMEngine:
         from the chat template, which writes its own BOS, as token ids."""
         if not text:
             raise ValueError("prompt must not be empty")
+        if surrogate_error(text):
+            raise ValueError(f"prompt{surrogate_error(text)}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
         return list(self.tokenizer.encode(text, add_special_tokens=True))

@@ -5,6 +5,7 @@ from typing import Any, Sequence
 
 from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.inputs import template_messages
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -54,7 +55,8 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; use generate() instead")
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tok.apply_chat_template(template_messages(conversation), add_generation_prompt=add_generation_prompt,
+                                      tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:

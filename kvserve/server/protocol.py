@@ -8,11 +8,12 @@ an unknown field is rejected: nothing is silently ignored.
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       field_validator, model_validator)
+
+from kvserve.inputs import LONE_SURROGATE, content_error, flat_content
 
 INT32_MAX = 2 ** 31 - 1
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -61,9 +62,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _surrogate_at(body: Any) -> tuple[str | None, str, str] | None:
     """(top-level field, path, character) of the first lone UTF-16 surrogate in a
     JSON body's strings or keys: JSON's "\\ud800" escape parses to one, which UTF-8
@@ -73,7 +71,7 @@ def _surrogate_at(body: Any) -> tuple[str | None, str, str] | None:
     while stack:
         field, path, value = stack.pop()
         if isinstance(value, str):
-            found = _SURROGATE.search(value)
+            found = LONE_SURROGATE.search(value)
             if found:
                 return field, path, found.group()
             continue
@@ -81,7 +79,7 @@ def _surrogate_at(body: Any) -> tuple[str | None, str, str] | None:
         for key, item in reversed(list(items)):
             name = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
             stack.append((field or name, name, item))
-            if isinstance(key, str) and _SURROGATE.search(key):
+            if isinstance(key, str) and LONE_SURROGATE.search(key):
                 stack.append((field or path or None, f"a key of {path or 'the body'}", key))
     return None
 
@@ -352,11 +350,9 @@ class ChatMessage(BaseModel):
     tool_call_id: StrictStr | None = None
 
     def as_template_message(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        content = [part.model_dump() for part in self.content] if isinstance(self.content, list) else self.content
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": content or ""}
+                                   "content": flat_content(content)}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
@@ -368,37 +364,12 @@ class ChatMessage(BaseModel):
         return message
 
 
-def _content_error(message: dict[str, Any]) -> str | None:
-    """What is wrong with a message's content, after the message's path (None:
-    nothing). Only an assistant turn that calls tools may leave it null, as
-    OpenAI rules; content parts are text only."""
-    content, role = message.get("content"), message.get("role")
-    if content is None:
-        if role == "assistant":
-            return None if message.get("tool_calls") else ".content is required unless the message has tool_calls"
-        return f".content is required for role {role!r}"
-    if isinstance(content, str):
-        return None
-    if not isinstance(content, list) or not content:
-        return f".content must be a string or a non-empty list of text parts, got {content!r:.40}"
-    return next(filter(None, map(_part_error, range(len(content)), content)), None)
-
-
-def _part_error(j: int, part: Any) -> str | None:
-    """What is wrong with content part j (None: nothing)."""
-    if not isinstance(part, dict):
-        return f".content[{j}] must be an object with a type, got {part!r:.40}"
-    if part.get("type") != "text":
-        return f".content[{j}]: parts of type {part.get('type')!r} are not supported (text only)"
-    return None if isinstance(part.get("text"), str) else f".content[{j}]: a text part needs a string `text`"
-
-
 def _messages_content(messages: Any) -> Any:
     """Each message's content checked before the models validate it, so the
     error names the message and the part (pydantic's union error would say
     "messages.content.str: Input should be a valid string" for an image part)."""
     for i, message in enumerate(messages if isinstance(messages, list) else ()):
-        error = _content_error(message) if isinstance(message, dict) else None
+        error = content_error(message) if isinstance(message, dict) else None
         if error:
             raise FieldError("messages", f"messages[{i}]{error}")
     return messages
