@@ -13,21 +13,13 @@ synchronize of a completed event, each with the compute stream idle and busy
 """
 from __future__ import annotations
 
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-
-def per_call_us(fn, calls: int = 200) -> float:
-    for _ in range(16):
-        fn()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - start)
-    return statistics.median(samples) / 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_api_probe import per_call_us  # noqa: E402
 
 
 def main() -> None:
@@ -61,10 +53,10 @@ def main() -> None:
     print("| call | idle | busy |\n|---|---|---|")
     for name, fn in cases.items():
         torch.cuda.synchronize()
-        idle = per_call_us(fn)
+        idle = per_call_us(fn, 200)
         torch.cuda.synchronize()
         torch.cuda._sleep(int(cycles_per_ms * 400))   # ~400 ms of device work queued first
-        busy = per_call_us(fn)
+        busy = per_call_us(fn, 200)
         torch.cuda.synchronize()
         print(f"| {name} | {idle:.1f} | {busy:.1f} |", flush=True)
 
