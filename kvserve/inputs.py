@@ -54,8 +54,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         error = content_error(message)
-        text = flat_content(message.get("content")) if error is None else ""
-        error = error or (".content" + surrogate_error(text) if surrogate_error(text) else None)
+        text = "" if error else flat_content(message.get("content"))
+        if error is None and (bad := surrogate_error(text)):
+            error = ".content" + bad
         if error:
             raise ValueError(f"messages[{i}]{error}")
         out.append({**message, "content": text})

@@ -489,6 +489,11 @@ def test_tokenize_refuses_a_field_that_does_not_apply(server, body, param):
     assert _post(server, "/tokenize", messages).status_code == 200   # vLLM's default for chat, spelled out
 
 
+def test_tokenize_checks_messages_as_chat_does(server):
+    error = _error(_post(server, "/tokenize", {"messages": [{"role": "user", "content": None}]}), 400)
+    assert (error["param"], error["message"]) == ("messages", "messages[0].content is required for role 'user'")
+
+
 def test_api_key_request_id_and_cors(server):
     no_key = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     error = _error(no_key, 401)

@@ -91,8 +91,8 @@ class LLMEngine:
         from the chat template, which writes its own BOS, as token ids."""
         if not text:
             raise ValueError("prompt must not be empty")
-        if surrogate_error(text):
-            raise ValueError(f"prompt{surrogate_error(text)}")
+        if bad := surrogate_error(text):
+            raise ValueError(f"prompt{bad}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
         return list(self.tokenizer.encode(text, add_special_tokens=True))

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       field_validator, model_validator)
 
-from kvserve.inputs import LONE_SURROGATE, content_error, flat_content
+from kvserve.inputs import LONE_SURROGATE, content_error, flat_content, surrogate_error
 
 INT32_MAX = 2 ** 31 - 1
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -63,17 +63,15 @@ class _Strict(BaseModel):
 
 
 def _surrogate_at(body: Any) -> tuple[str | None, str, str] | None:
-    """(top-level field, path, character) of the first lone UTF-16 surrogate in a
-    JSON body's strings or keys: JSON's "\\ud800" escape parses to one, which UTF-8
-    cannot encode, so the tokenizer, the chat template or xgrammar would fail on it.
-    A key is named by the object holding it (the key itself cannot be printed)."""
+    """(top-level field, path, string) of the first string or key in a JSON body
+    that holds a lone UTF-16 surrogate (`kvserve.inputs.surrogate_error`). A key
+    is named by the object holding it (the key itself cannot be printed)."""
     stack: list[tuple[str | None, str, Any]] = [(None, "", body)]
     while stack:
         field, path, value = stack.pop()
         if isinstance(value, str):
-            found = LONE_SURROGATE.search(value)
-            if found:
-                return field, path, found.group()
+            if LONE_SURROGATE.search(value):
+                return field, path, value
             continue
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         for key, item in reversed(list(items)):
@@ -92,8 +90,8 @@ class _Request(_Strict):
     def _valid_unicode(cls, body: Any) -> Any:
         found = _surrogate_at(body)
         if found:
-            field, path, char = found
-            raise FieldError(field, f"{path} holds a lone surrogate (U+{ord(char):04X}): not valid Unicode")
+            field, path, text = found
+            raise FieldError(field, path + surrogate_error(text))
         return body
 
 
@@ -422,7 +420,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(_messages_content)] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None
 
