@@ -489,6 +489,22 @@ def test_tokenize_refuses_a_field_that_does_not_apply(server, body, param):
     assert _post(server, "/tokenize", messages).status_code == 200   # vLLM's default for chat, spelled out
 
 
+@pytest.mark.parametrize("kwargs,named", [
+    ({"return_tensors": "pt"}, "return_tensors"),   # took the engine core down: it could not decode a tensor
+    ({"truncation": True, "max_length": 5}, "max_length, truncation"),   # a silently truncated prompt
+    ({"chat_template": "{{ 'x' }}"}, "chat_template"),   # a template the request supplies
+    ({"tokenize": False}, "tokenize"),
+    ({"messages": []}, "messages"),
+])
+def test_chat_template_kwargs_take_template_variables_only(server, kwargs, named):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    error = _error(_post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": kwargs}), 400)
+    assert error["param"] == "chat_template_kwargs"
+    assert error["message"].startswith(f"chat_template_kwargs may not set {named}: "), error
+    served = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert served.status_code == 200, served.text   # a template variable passes; the engine still serves
+
+
 def test_tokenize_checks_messages_as_chat_does(server):
     error = _error(_post(server, "/tokenize", {"messages": [{"role": "user", "content": None}]}), 400)
     assert (error["param"], error["message"]) == ("messages", "messages[0].content is required for role 'user'")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import logging
 import time
 import uuid
@@ -279,6 +280,7 @@ class GenerationHandler:
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template: use /v1/completions instead",
                            param="messages")
+        _check_template_kwargs(tok, template_kwargs)
         messages = tool_calls.messages_for_template([m.as_template_message() for m in chat_messages],
                                                     tools, tok.chat_template)
         try:
@@ -287,7 +289,11 @@ class GenerationHandler:
         except Exception as e:  # the template rejected these messages (e.g. role order)
             raise APIError(400, f"the chat template could not render these messages: {e}",
                            param="messages") from e
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if not all(type(t) is int for t in ids):   # the core would fail decoding them, for every request
+            raise APIError(500, "the chat template's token ids are not a list of integers",
+                           type="internal_server_error")
+        return ids
 
     async def _structured(self, body, tools_mode) -> Any:
         """The compiled constraint of a request, or None (compiled off the event loop)."""
@@ -409,6 +415,20 @@ def _absorb(c: _Choice, d: Delta) -> None:
 def _check_failed(d: Delta) -> None:
     if d.finish_reason == "error":
         raise APIError(500, ENGINE_ERROR, type="internal_server_error", code="internal_error")
+
+
+def _check_template_kwargs(tokenizer, template_kwargs: dict[str, Any]) -> None:
+    """`chat_template_kwargs` are the template's own variables only. One naming an
+    argument of `apply_chat_template` (return_tensors, truncation, max_length,
+    chat_template, ...) or the `messages` it renders would change what the server
+    gets back: a tensor the engine core cannot decode, a silently truncated prompt,
+    or a template the request itself supplies; a 400 names it."""
+    taken = {"messages"} | {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+                            if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    refused = sorted(taken & set(template_kwargs))
+    if refused:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(refused)}: only the chat template's own "
+                            "variables (e.g. enable_thinking) are taken there", param="chat_template_kwargs")
 
 
 def _tool_mode(body: ChatCompletionRequest, parser: str) -> tool_calls.ToolMode:
