@@ -327,6 +327,37 @@ def test_core_sends_one_message_per_step_and_answers_adds_before_stepping(tiny_a
     assert transport.sent[-1].metrics["num_requests_running"] == 1
 
 
+def test_a_job_the_core_cannot_read_is_rejected_alone(tiny_args):
+    """A value of the wrong type in one job (a tensor among its token ids: it
+    travels pickled, as a msgpack extension) failed the typed decoding of the whole
+    message, and the engine core died with every request. Now that job alone is
+    rejected (an engine fault, not the client's) and the others run."""
+    import msgspec
+    import torch
+    from kvserve.engine.core_process import ZmqTransport
+    from kvserve.engine.core_protocol import Codec, salvage_inputs
+    from kvserve.engine.llm_engine import LLMEngine
+    good = CoreJob("a", [_request("a0", _prompt(1), max_tokens=3)])
+    bad = CoreJob("b", [_request("b0", [1, torch.tensor(2)], max_tokens=3)])
+    wire = Codec(CoreInputs).encode(CoreInputs(adds=[good, bad], aborts=["gone"]))
+    with pytest.raises(msgspec.ValidationError):
+        Codec(CoreInputs).decode(wire)
+    message = ZmqTransport._decode(SimpleNamespace(_in_codec=Codec(CoreInputs)), wire)
+    assert message == salvage_inputs(wire)
+    assert [j.job_id for j in message.adds] == ["a"] and message.aborts == ["gone"]
+    assert [job_id for job_id, _ in message.unreadable] == ["b"]
+    engine, transport = LLMEngine(tiny_args), FakeTransport()
+    core = EngineCore(engine, transport)
+    transport.inbox.append(message)
+    assert core.run_once()
+    reply = next(m for m in transport.sent if m.accepted or m.rejected)
+    assert reply.accepted == ["a"] and [(r.job_id, r.invalid) for r in reply.rejected] == [("b", False)]
+    assert reply.rejected[0].message.startswith("the engine core could not read this job: ")
+    while engine.has_unfinished_requests():
+        assert core.run_once()
+    assert "b0" not in engine.requests
+
+
 def test_core_abort_frees_blocks_and_stops_outputs(tiny_args):
     from kvserve.engine.llm_engine import LLMEngine
     engine = LLMEngine(tiny_args)

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import msgspec
 import torch
 
 from kvserve.diagnose.endpoint import engine_snapshot
@@ -28,7 +29,7 @@ from kvserve.engine.gc_heap import freeze_startup_heap
 from kvserve.engine.step_trace import StepProfile, StepTrace, enable_sync_check_from_env, now
 from kvserve.engine.core_protocol import (
     Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, DebugReply, ProfileCommand, Rejection,
-    unpack_sampling_params)
+    salvage_inputs, unpack_sampling_params)
 from kvserve.engine.device_profile import CoreProfiler, profiler_dir
 from kvserve.request import FINISHED_STATUSES
 
@@ -130,6 +131,10 @@ class EngineCore:
 
     # -- inputs --------------------------------------------------------------------
     def _apply(self, message: CoreInputs, replies: CoreOutputs) -> None:
+        for job_id, why in message.unreadable:
+            logger.error("rejected job %s: the core could not read it: %s", job_id, why)
+            replies.rejected.append(Rejection(job_id, f"the engine core could not read this job: {why}",
+                                              invalid=False))
         for job in message.adds:
             self._add(job, replies)
         for request_id in message.aborts:
@@ -306,7 +311,13 @@ class ZmqTransport:
                 frame = self._inputs.recv(self._zmq.NOBLOCK, copy=False)
             except self._zmq.Again:
                 return items
-            items.append(self._in_codec.decode(frame.buffer))
+            items.append(self._decode(frame.buffer))
+
+    def _decode(self, buffer: memoryview) -> CoreInputs:
+        try:
+            return self._in_codec.decode(buffer)
+        except msgspec.ValidationError:
+            return salvage_inputs(buffer)
 
     def send(self, outputs: CoreOutputs) -> None:
         self._outputs.send(self._out_codec.encode(outputs), copy=False)

@@ -68,6 +68,9 @@ class CoreInputs(msgspec.Struct, omit_defaults=True):
     debug: list[str] = []      # query ids, each answered by one DebugReply
     profile: list[ProfileCommand] = []
     shutdown: bool = False
+    # Set by the core only (`salvage_inputs`), never sent: (job id, why) of each job it
+    # could not read; it rejects them and goes on.
+    unreadable: list[tuple[str, str]] = []
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -154,3 +157,21 @@ def unpack_sampling_params(data: bytes, grammar_json: str | None, load_grammar: 
         return params
     spec = dataclasses.replace(params.structured, compiled=load_grammar(grammar_json))
     return dataclasses.replace(params, structured=spec)
+
+
+def salvage_inputs(data: bytes | memoryview) -> CoreInputs:
+    """A `CoreInputs` whose typed decoding failed (a job carrying a value of the
+    wrong type, say a tensor among its token ids): each job decoded alone, and
+    one that still fails listed in `unreadable` instead of failing the message,
+    and with it the engine core and every request. A failure outside the jobs
+    raises: that is the API side's bug, not a request's."""
+    raw = msgspec.msgpack.decode(data, ext_hook=_ext_hook)
+    jobs = raw.pop("adds", []) if isinstance(raw, dict) else []
+    message = msgspec.convert(raw, CoreInputs)
+    for job in jobs:
+        try:
+            message.adds.append(msgspec.convert(job, CoreJob))
+        except msgspec.ValidationError as e:
+            job_id = job[0] if isinstance(job, list) and job and isinstance(job[0], str) else "?"
+            message.unreadable.append((job_id, str(e)))
+    return message
