@@ -290,7 +290,7 @@ class GenerationHandler:
             raise APIError(400, f"the chat template could not render these messages: {e}",
                            param="messages") from e
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        if not all(type(t) is int for t in ids):   # the core would fail decoding them, for every request
+        if not all(type(t) is int for t in ids):   # else the core could not read the job (`salvage_inputs`)
             raise APIError(500, "the chat template's token ids are not a list of integers",
                            type="internal_server_error")
         return ids
