@@ -505,6 +505,13 @@ def test_chat_template_kwargs_take_template_variables_only(server, kwargs, named
     assert served.status_code == 200, served.text   # a template variable passes; the engine still serves
 
 
+@pytest.mark.parametrize("content", [b"", b"[1, 2]", b'"text"'])
+def test_a_body_that_is_not_an_object_is_400_saying_so(server, content):
+    response = httpx.post(f"{server.url}/v1/completions", content=content, timeout=60,
+                          headers={**AUTH, "Content-Type": "application/json"})
+    assert _error(response, 400)["message"] == "the request body must be a JSON object"
+
+
 def test_tokenize_checks_messages_as_chat_does(server):
     error = _error(_post(server, "/tokenize", {"messages": [{"role": "user", "content": None}]}), 400)
     assert (error["param"], error["message"]) == ("messages", "messages[0].content is required for role 'user'")
