@@ -237,9 +237,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
         return param, f"{param} is not supported by this server (only null is accepted)"
     if first.get("type") == "extra_forbidden" and param:
         return param, f"unknown field `{'.'.join(loc)}`: this server does not accept it"
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("missing", "model_attributes_type"):
         return None, "the request body must be a JSON object"
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return None, f"the body is not valid JSON: {message}"
     return param, f"{'.'.join(loc)}: {message}" if param else message

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      field_validator, model_validator)
+                      ValidationError, ValidatorFunctionWrapHandler, WrapValidator, field_validator,
+                      model_validator)
 
 from kvserve.inputs import LONE_SURROGATE, content_error, flat_content, surrogate_error
 
@@ -73,6 +74,8 @@ def _surrogate_at(body: Any) -> tuple[str | None, str, str] | None:
             if LONE_SURROGATE.search(value):
                 return field, path, value
             continue
+        if isinstance(value, list) and value and isinstance(value[0], (int, float)):
+            continue   # numbers (a token-id prompt is thousands); a string among them fails the schema
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         for key, item in reversed(list(items)):
             name = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
@@ -288,25 +291,29 @@ def _prompt_item_error(item: Any, kind: type | tuple[type, ...]) -> str | None:
     return f": {error}" if error else None
 
 
-def _prompt_shape(value: Any) -> Any:
-    """A prompt's shape, checked before pydantic's union, whose error would name
-    its first member only ("prompt.constrained-str: Input should be a valid
-    string" for a negative token id): the error here says what and where."""
-    if value == "" or value == []:
-        raise FieldError("prompt", "prompt must not be empty")
-    if isinstance(value, list):
-        kind = list if isinstance(value[0], list) else str if isinstance(value[0], str) else (int, float)
-        for i, item in enumerate(value):
-            error = _prompt_item_error(item, kind)
-            if error:
-                raise FieldError("prompt", f"prompt[{i}]{error}")
-    return value
+def _prompt_shape(value: Any, validate: ValidatorFunctionWrapHandler) -> Any:
+    """A prompt that pydantic's union refuses gets an error saying what is wrong
+    and where; the union's own would name its first member only ("prompt.
+    constrained-str: Input should be a valid string" for a negative token id).
+    The diagnosis runs only then: a valid 8K-token prompt pays nothing for it."""
+    try:
+        return validate(value)
+    except ValidationError:
+        if value == "" or value == []:
+            raise FieldError("prompt", "prompt must not be empty") from None
+        if isinstance(value, list):
+            kind = list if isinstance(value[0], list) else str if isinstance(value[0], str) else (int, float)
+            for i, item in enumerate(value):
+                error = _prompt_item_error(item, kind)
+                if error:
+                    raise FieldError("prompt", f"prompt[{i}]{error}") from None
+        raise
 
 
 Prompt = Annotated[Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
                          Annotated[list[NonEmptyStr], Field(min_length=1)],
                          Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]],
-                   BeforeValidator(_prompt_shape)]
+                   WrapValidator(_prompt_shape)]
 
 
 class CompletionRequest(_SamplingFields):

@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from fastapi import Request as HTTPRequest
@@ -423,12 +424,19 @@ def _check_template_kwargs(tokenizer, template_kwargs: dict[str, Any]) -> None:
     chat_template, ...) or the `messages` it renders would change what the server
     gets back: a tensor the engine core cannot decode, a silently truncated prompt,
     or a template the request itself supplies; a 400 names it."""
-    taken = {"messages"} | {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-                            if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    refused = sorted(taken & set(template_kwargs))
+    if not template_kwargs:
+        return
+    refused = sorted(_template_arguments(type(tokenizer).apply_chat_template) & set(template_kwargs))
     if refused:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(refused)}: only the chat template's own "
                             "variables (e.g. enable_thinking) are taken there", param="chat_template_kwargs")
+
+
+@functools.lru_cache(maxsize=None)
+def _template_arguments(apply_chat_template: Callable[..., Any]) -> frozenset[str]:
+    """`apply_chat_template`'s named arguments and the `messages` it renders (read once per tokenizer class)."""
+    parameters = inspect.signature(apply_chat_template).parameters.items()
+    return frozenset({"messages"} | {name for name, p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD})
 
 
 def _tool_mode(body: ChatCompletionRequest, parser: str) -> tool_calls.ToolMode:
