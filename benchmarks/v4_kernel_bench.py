@@ -459,11 +459,15 @@ def bench_prefill_chunk(chunk: int, context: int, block_size: int, copy_gbs: flo
           f"({flops / score_ms / 1e9:6.1f} TFLOP/s)  top-k {1e3 * top_k_ms:8.1f} us")
 
 
+def gluon_module():
+    return importlib.import_module("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon")
+
+
 def set_gluon_dim_parts(choice: str) -> str:
     """The Gluon sparse decode kernel's dim parts (programs a token) for this run: 1 or 2 for
     every launch, or `auto`, its rule with the threshold at half the SM count (the kernel reads
     its module's defaults at each launch). Returns the setting, for the run's header."""
-    gluon = importlib.import_module("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon")
+    gluon = gluon_module()
     if choice == "auto":
         gluon.DIM_PARTS_MAX_TOKENS = gluon.sm_count(torch.device(DEVICE)) // 2
         return f"auto (2 up to {gluon.DIM_PARTS_MAX_TOKENS} tokens)"
@@ -488,6 +492,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gluon-dim-parts", choices=("1", "2", "auto"), default=None,
                         help="the Gluon sparse decode kernel's dim parts (programs a token): 1 or 2 for every "
                              "launch, auto: its rule with the threshold at half the SM count; default: the module's")
+    parser.add_argument("--gluon-min-tokens", type=int, default=None,
+                        help="the fewest tokens the default configs give the Gluon sparse decode kernel "
+                             "(GLUON_MIN_TOKENS; below it the Triton planned split kernel runs); default: the module's")
     parser.add_argument("--index-keys", choices=("inline", "split"), default="inline",
                         help="where the CSA pages keep the indexer keys: inline (the engine's: each entry's row "
                              "is [entry | indexer key]) or split (a page's entries, then their indexer keys: each "
@@ -500,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     batches = args.batches or ([64, 256] if args.quick else [1, 64, 256])
     contexts = args.contexts or ([32768] if args.quick else [4096, 32768, 131072])
     dim_parts = set_gluon_dim_parts(args.gluon_dim_parts) if args.gluon_dim_parts else "the module's default"
+    if args.gluon_min_tokens is not None:   # `default_config` reads it at each call
+        gluon_module().GLUON_MIN_TOKENS = args.gluon_min_tokens
+        dim_parts += f"; Gluon from {args.gluon_min_tokens} tokens"
     torch.manual_seed(0)
     started = time.time()
     copy_gbs = copy_bandwidth_gbs()
