@@ -34,8 +34,9 @@ def test_default_configs_take_the_gluon_kernel_unless_switched_off(gluon_state, 
     monkeypatch.delenv(gluon.ENV, raising=False)
     assert attention.default_config(256, 640) is attention.GLUON_CONFIG
     monkeypatch.setenv(gluon.ENV, "1")
-    assert attention.default_config(gluon.GLUON_MIN_TOKENS, 640) is attention.GLUON_CONFIG
-    assert not attention.default_config(gluon.GLUON_MIN_TOKENS - 1, 640).gluon   # few tokens: Triton's splits
+    for num_tokens in (8, 63, 64):   # from 8 tokens it beats the Triton kernel's splits
+        assert attention.default_config(num_tokens, 640) is attention.GLUON_CONFIG
+    assert not attention.default_config(7, 640).gluon   # fewer: Triton's splits, faster in a graph
     assert attention.default_config(1 << 16, 640) is attention.PREFILL_CONFIG      # a plan too large: prefill
     assert attention.GLUON_CONFIG.planned   # its fallback where the kernel does not serve: the planned one
     monkeypatch.setenv(gluon.ENV, "on")

@@ -34,9 +34,12 @@ tokens 33.4 -> 25.0 us; 256 tokens 85.7 -> 95.1 us (3.9 waves instead of 2), so 
 H200 (`benchmarks/gluon_sparse_decode_probe.py`, "n64 st2", 640 keys a token, 2026-12-04, the probe's
 copy of this kernel with int32 row ids):
 batch 64 32.4 us (34% of copy bandwidth), 256 80.1 us (55%), 512 154.5 us (57%), against the
-Triton planned kernel's 132-158 us at 256 and 65-109 us at 64 (its best configs). No split-KV:
-at a few tokens the Triton kernel's splits spread what one program here walks alone, so the
-default configs take this kernel from GLUON_MIN_TOKENS tokens on.
+Triton planned kernel's 132-158 us at 256 and 65-109 us at 64 (its best configs). No split-KV,
+yet below 64 tokens, two programs a token, it also beats the Triton kernel's splits from 8 tokens
+on: the CSA decode path as a CUDA graph's replay (as the engine decodes), H100, 2026-12-06, at 32K
+and 128K: 16-48 tokens 35-38 us faster, 8 tokens 1.5-2 us faster, 4 tokens 0.7-0.9 us and 1-2
+tokens 2.5-3.3 us slower (there the splits' launches are what a graph removes). So the default
+configs take this kernel from GLUON_MIN_TOKENS tokens on.
 
 In the engine's decode path (`benchmarks/v4_kernel_bench.py`, batch 256 at 32K, H200, 2026-12-04):
 attention 87.6 us against the Triton planned kernel's 133.0, the whole path 285.6 against 331.2 us
@@ -66,7 +69,7 @@ HEADS, HEAD_DIM = 64, 512
 BLOCK_N, STAGES = 64, 2   # the probe's fastest ("n64 st2"): 2 x 64 KB of ring beside Q's 64 KB
 CHUNK = 16                # key rows a cp.async call: 8 16-byte copies a producer thread
 MAX_IDS = 2048            # plan ids staged in shared memory (int64: 16 KB); longer key lists: Triton
-GLUON_MIN_TOKENS = 64     # the default configs' switch point (measured at 64 and 256 tokens)
+GLUON_MIN_TOKENS = 8      # the default configs' switch point (measured from 1 to 256 tokens)
 ENV = "KVSERVE_GLUON_SPARSE"
 CONSUMER_WARPS, PRODUCER_WARPS = gl.constexpr(4), gl.constexpr(4)
 PRODUCER_THREADS = gl.constexpr(PRODUCER_WARPS.value * 32)
