@@ -229,8 +229,9 @@ def main() -> None:
                    help="kvserve: one line a step (kvserve/engine/step_trace.py's columns; "
                         "python -m kvserve.engine.step_trace FILE --segments reads it)")
     p.add_argument("--dummy-init", choices=["kvserve", "vllm"], default="kvserve",
-                   help="kvserve's dummy weights: its own Normal(0, 0.02), or vLLM's Uniform(-1e-3, 1e-3) "
-                        "(fill_like_vllm); vLLM always runs its own")
+                   help="kvserve's dummy weights: its loader's (for a model directory: Uniform(-1e-3, 1e-3), "
+                        "vLLM's distribution, since 2026-12-06; Normal(0, 0.02) with unit norms before), or "
+                        "fill_like_vllm's refill (the same distribution); vLLM always runs its own")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
     a = p.parse_args()
     if a.compare:

@@ -74,6 +74,19 @@ def test_dummy_weights_have_the_checkpoint_shapes_not_its_values(checkpoint, sha
     assert all(torch.equal(dummy[n], again[n]) for n in dummy)  # seeded
 
 
+def test_a_directory_draws_like_vllm_a_named_shape_keeps_unit_norms(shape_only):
+    """A directory is the path for comparing engines: its weights follow vLLM's dummy
+    distribution, every parameter Uniform(-1e-3, 1e-3), norms included."""
+    drawn = _params(LLM(str(shape_only), load_format="dummy", num_kv_blocks=40))
+    for name, param in drawn.items():
+        assert param.abs().max().item() <= 1e-3, name
+        assert param.std().item() > 4e-4, name   # spread over the interval (its std is 5.8e-4), not constant
+    named = _params(LLM("dummy:tiny-qwen3", load_format="dummy", num_kv_blocks=40, max_model_len=64))
+    norms = [n for n in named if n.endswith("norm.weight")]
+    assert norms and all(torch.equal(named[n], torch.ones_like(named[n])) for n in norms)
+    assert 0.015 < named["model.layers.0.mlp.down_proj.weight"].std().item() < 0.025
+
+
 def test_dummy_directory_serves_text_with_its_tokenizer(shape_only):
     llm = LLM(str(shape_only), load_format="dummy", num_kv_blocks=40)
     out = llm.generate(["hello world"], SamplingParams(max_tokens=4, ignore_eos=True))[0]

@@ -5,6 +5,18 @@ The shape is a `dummy:<name>` from `DUMMY_CONFIGS`, or an HF directory's
 config.json (weights, if any, are ignored; its tokenizer is loaded), so two
 engines can serve the same random model with the same tokenizer.
 
+What the weights are drawn from depends on the source of the shape:
+- an HF directory: every parameter Uniform(-1e-3, 1e-3), as vLLM's dummy
+  loader draws them (norm weights included). This is the path for comparing
+  engines on one directory, and the values must match in distribution: a
+  compute-bound GEMM draws more power on larger, denser values, and at the
+  power cap its clock drops. On one H100 kvserve's qa scenario ran 1.4%
+  faster on vLLM's distribution than on the normal one below
+  (docs/BENCHMARKS.md, 2026-12-05).
+- a `dummy:<name>` shape: Normal(0, 0.02) matrices, zero biases, unit norm
+  weights. Activations then keep a useful scale through the layers, so tests and
+  benchmarks that look at the outputs see varied tokens.
+
 Weights are drawn directly on the model's device, so an 8B model never
 passes through host memory. Each parameter is drawn at its single-rank shape;
 a tensor-parallel rank keeps its part of it, so every tensor-parallel size
@@ -28,6 +40,7 @@ if TYPE_CHECKING:
     from kvserve.model.llama import LlamaForCausalLM
 
 PREFIX = "dummy:"
+VLLM_BOUND = 1e-3   # vLLM's `initialize_dummy_weights` draws every parameter from Uniform(-1e-3, 1e-3)
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-8B config.json shapes.
     "qwen3-8b": {
@@ -69,10 +82,11 @@ DUMMY_CONFIGS["llama3-70b"] = {**DUMMY_CONFIGS["llama3-8b"], "hidden_size": 8192
 class DummyWeights:
     seed: int = 0
     std: float = 0.02
+    like_vllm: bool = False   # every parameter Uniform(-VLLM_BOUND, VLLM_BOUND) (module doc)
 
     @torch.no_grad()
     def load_into(self, model: "LlamaForCausalLM") -> None:
-        """Normal(0, std) matrices, zero biases, unit norm weights."""
+        """The weights the module doc describes, each parameter from its own seed."""
         if model.shard.size == 1:
             for name, param in model.named_parameters():
                 self._fill(name, param)
@@ -81,7 +95,9 @@ class DummyWeights:
 
     def _fill(self, name: str, tensor: torch.Tensor) -> None:
         generator = torch.Generator(device=tensor.device).manual_seed(self.seed + _stable_hash(name))
-        if name.endswith("norm.weight"):
+        if self.like_vllm:
+            tensor.uniform_(-VLLM_BOUND, VLLM_BOUND, generator=generator)
+        elif name.endswith("norm.weight"):
             tensor.fill_(1.0)
         elif name.endswith(".bias"):
             tensor.zero_()
@@ -133,4 +149,5 @@ def _resolve_hf_directory(model: str, hf_overrides: dict[str, Any] | None, with_
         read_json(config_path), hf_overrides,
         generation_config=read_json(directory / "generation_config.json"))
     return ResolvedModel(name=model, load_format="dummy", config=config,
-                         weights=DummyWeights(), tokenizer=tokenizer_in(directory) if with_tokenizer else None)
+                         weights=DummyWeights(like_vllm=True),
+                         tokenizer=tokenizer_in(directory) if with_tokenizer else None)
