@@ -189,3 +189,68 @@ def test_a_roomless_row_inside_its_block_stops_the_openings_and_takes_the_genera
     # and each row's end: row 0 opened its block before the run was left, so it is one further too
     assert managers[0]._num_tokens == managers[1]._num_tokens == {"0": 5, "1": 7, "2": 9}
     managers[0].check_integrity()
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+@pytest.mark.parametrize("layout", ["full", "full x2"])
+def test_many_rows_crossing_at_once_equal_the_row_by_row_allocation(layout, block_size):
+    """Many rows of a decode run open their next blocks in the same step (a group
+    at a time, `_append_next_blocks`), and at 2-token blocks fill the block they
+    opened in that step too: twin managers, one stepped by `allocate_decode_rows`,
+    the other row by row, hand out the same blocks in the same order and keep the
+    same tables (the batch tables' numpy rows too, grown past their first width),
+    fill counters and rooms, every step, until the pool runs dry."""
+    rng = random.Random(block_size)
+    groups = len(LAYOUTS[layout])   # 20 blocks a row in each group: the tables pass 16 before the pool runs dry
+    managers = [KVCacheManager(LAYOUTS[layout], num_blocks=20 * 40 * groups, block_size=block_size,
+                               max_table_width=64) for _ in range(2)]
+    walks = [_decoding(m, 40, random.Random(3)) for m in managers]
+    ids = [r.request_id for r in walks[0]]
+    crossings = 0
+    for step in range(100):
+        rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+        starts = np.array([r.num_computed_tokens for r in walks[0]], dtype=np.int64)
+        crossings = max(crossings, int(np.sum(starts % block_size == 0)))
+        done = managers[0].allocate_decode_rows(rows, ids, starts)
+        assert done == next((i for i, r in enumerate(walks[1]) if not managers[1].allocate_slots(r, 1)), len(rows))
+        assert _state(managers[0], ids) == _state(managers[1], ids), step
+        tables = [m.block_tables(ids) for m in managers]
+        assert all(a.equal(b) for a, b in zip(*tables)), step
+        managers[0].check_integrity()
+        if done < len(rows):
+            break
+        token = rng.randrange(3, 50)
+        for walk in walks:
+            for r in walk:
+                r.num_computed_tokens += 1
+                r.output_token_ids.append(token)
+    assert done < len(rows) and crossings >= 10   # many crossings a step, then the pool ran dry
+    assert max(len(managers[0].get_block_ids(r)[0]) for r in ids) > 16   # the numpy rows grew wider
+
+
+def test_a_roomless_row_whose_table_holds_its_next_block_takes_the_general_path():
+    """A decode run's row on a block boundary whose table already holds the next
+    block (a step scheduled 5 tokens and computed 4: the end moved back, the
+    block stays) needs no new block: the openings stop at it (each group's
+    `num_opening_one_block`), and every row ends as the row-by-row path leaves it."""
+    managers = [KVCacheManager(LAYOUTS["full x2"], num_blocks=60, block_size=4, enable_prefix_caching=False)
+                for _ in range(2)]
+    walks = []
+    for manager in managers:
+        requests = [Request(str(i), list(range(3, 7)), SamplingParams(max_tokens=100)) for i in range(3)]
+        for r in requests:
+            assert manager.allocate_slots(r, r.num_tokens)
+            r.num_computed_tokens = r.num_tokens
+        assert manager.allocate_slots(requests[1], 5)   # tokens 4..8 scheduled: 3 blocks
+        requests[1].num_computed_tokens = 8              # 4 of them computed
+        assert manager.allocate_slots(requests[1], 0)    # the end back at 8, a block boundary
+        walks.append(requests)
+    assert [len(t) for t in managers[0].get_block_ids("1")] == [3, 3] and "1" not in managers[0]._room
+    rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+    starts = np.array([r.num_computed_tokens for r in walks[0]], dtype=np.int64)
+    assert managers[0].allocate_decode_rows(rows, ["0", "1", "2"], starts) == 3
+    assert all(managers[1].allocate_slots(r, 1) for r in walks[1])
+    assert [managers[0].get_block_ids(r) for r in "012"] == [managers[1].get_block_ids(r) for r in "012"]
+    assert [len(managers[0].get_block_ids(r)[0]) for r in "012"] == [2, 3, 2]
+    assert _state(managers[0], list("012")) == _state(managers[1], list("012"))
+    managers[0].check_integrity()

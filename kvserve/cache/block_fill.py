@@ -58,6 +58,18 @@ class BlockFill:
         self.used_slots += fill
         return fills
 
+    def add_sole_rows(self, block_ids: list[int]) -> list[dict[int, int]]:
+        """`add_sole(block_id, 1)` for each of `block_ids` (distinct blocks fresh
+        from the pool); returns their counters, in order."""
+        fills_of = self._fills
+        if not fills_of.keys().isdisjoint(block_ids):
+            raise RuntimeError(f"blocks {sorted(fills_of.keys() & set(block_ids))} are held already")
+        counters = [{1: 1} for _ in block_ids]
+        fills_of.update(zip(block_ids, counters))
+        self.num_held += len(block_ids)
+        self.used_slots += len(block_ids)
+        return counters
+
     def remove(self, block_id: int, fill: int) -> None:
         fills = self._fills.get(block_id)
         if fills is None or fill not in fills:
@@ -206,6 +218,21 @@ class HeldTables:
             tails.append(add_sole(block.block_id, 1))
             append_row(request_id, group, index, block.block_id)
         return tails
+
+    def append_fresh_rows(self, request_ids: list[str], indices: list[int],
+                          blocks: list[list[KVBlock]]) -> list[list[dict[int, int]]]:
+        """`append_fresh(request_ids[k], indices[k], [blocks[g][k] for each group g])`
+        for each k, a group at a time (the mirror lists, the counters, one store
+        per group into the numpy rows). Returns each request's sole tails."""
+        tables = list(map(self._ids.__getitem__, request_ids))
+        counters = []
+        for group, group_blocks in enumerate(blocks):
+            block_ids = [block.block_id for block in group_blocks]
+            counters.append(self.fill.add_sole_rows(block_ids))
+            for ids, block_id in zip(tables, block_ids):
+                ids[group].append(block_id)
+            self.rows.append_column(request_ids, group, indices, block_ids)
+        return list(map(list, zip(*counters)))
 
     def forget(self, request_id: str, end: int) -> None:
         self.rows.release(request_id)

@@ -88,6 +88,21 @@ class BlockTableRows:
         self._lengths[group][row] = index + 1
         self._widened(group, index + 1)
 
+    def append_column(self, request_ids: list[str], group: int, indices: list[int], block_ids: list[int]) -> None:
+        """`append_one(request_ids[k], group, indices[k], block_ids[k])` for each k
+        (a decode step's rows opening blocks): item stores in one loop, no call a row."""
+        top = max(indices) + 1
+        if top > self._widths[group]:
+            self._grow_width(group, top)
+        rows = list(map(self._row_of.get, request_ids))
+        if None in rows:   # taking a row may grow the arrays: before they are read below
+            rows = list(map(self.row, request_ids))
+        table, lengths = self._tables[group], self._lengths[group]
+        for row, index, block_id in zip(rows, indices, block_ids):
+            table[row, index] = block_id
+            lengths[row] = index + 1
+        self._widened(group, top)
+
     def _widened(self, group: int, length: int) -> None:
         """A row of the group is now `length` long: the last batch's width may be too small."""
         if self._batch is not None and length > self._batch.widths[group]:

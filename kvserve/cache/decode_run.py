@@ -35,26 +35,25 @@ class DecodeRun:
     ends: np.ndarray         # int64: each row's end, which `_num_tokens` holds once settled
     rooms: list              # each row's room (the manager's `_room` entry) or None
     room_tails: int          # tails over the rows with a room: the slots one step fills
-    roomless: list[int]      # rows without a room: each takes the per-row path next step
+    roomless: list[int]      # rows without a room: each opens a block next step
+    roomless_ends: list[int]  # their ends (read without numpy: a few rows a step)
     lagging: bool = False    # `_num_tokens` lags behind `ends`
 
     @classmethod
     def start(cls, request_ids: list[str], ends: np.ndarray, rooms: list) -> "DecodeRun":
         roomless = list(compress(range(len(rooms)), map(not_, rooms)))
-        return cls(request_ids, ends.copy(), rooms, room_tails(rooms), roomless)
+        return cls(request_ids, ends.copy(), rooms, room_tails(rooms), roomless, ends[roomless].tolist())
 
     def continues(self, request_ids: list[str], starts: np.ndarray) -> bool:
         """Whether a step of `request_ids` at `starts` is this run's next one."""
         return request_ids is self.request_ids and np.array_equal(starts, self.ends)
 
-    def set_room(self, i: int, room: tuple | None) -> None:
-        """Row i's room changed (opened, left, or set by the per-row path)."""
-        old = self.rooms[i]
-        if old is not None:
-            self.room_tails -= len(old[2])
-        if room is not None:
-            self.room_tails += len(room[2])
-        self.rooms[i] = room
+    def set_rooms(self, rows: list[int], rooms: list) -> None:
+        """Each of `rows`' room changed (opened, left, or set by the per-row
+        path) to the one at its place in `rooms`."""
+        self.room_tails += room_tails(rooms) - room_tails(list(map(self.rooms.__getitem__, rows)))
+        for i, room in zip(rows, rooms):
+            self.rooms[i] = room
 
     def filled(self, block_size: int) -> list[int]:
         """Rows whose room holds its last slot now (their end on a block boundary)."""
