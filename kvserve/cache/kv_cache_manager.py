@@ -367,38 +367,41 @@ class KVCacheManager:
         if run is None:
             return self.allocate_rows(rows)
         opened = self._open_run_blocks(run)
-        if opened < len(run.roomless):
-            return self._leave_run(rows, run, run.roomless[:opened], run.roomless[opened])
-        self._move_run(run)
+        if len(opened) < len(run.roomless):
+            return self._leave_run(rows, run, run.roomless[:len(opened)], run.roomless[len(opened)])
+        self._move_run(run, opened)
         return len(rows)
 
-    def _open_run_blocks(self, run: DecodeRun) -> int:
+    def _open_run_blocks(self, run: DecodeRun) -> list[tuple]:
         """`_open_next_block` for the decode run's roomless rows, in order, their
         blocks taken from the pool in one call (in the order one call a row takes
         them); each row computes one token at its end (the run's caller vouches).
-        The number opened: the rows up to the first whose next block cannot be
-        opened directly (`_opens_one_block`), or the pool runs short."""
+        Returns the rooms of the rows opened: those up to the first whose next
+        block cannot be opened directly (`_opens_one_block`), or the pool runs short."""
         cut = len(self.pool.free_queue) // len(self.managers)
         request_ids = list(map(run.request_ids.__getitem__, run.roomless[:cut]))
         ends = run.roomless_ends[:cut]
         n = self._num_opening(request_ids, ends)
-        if n:
-            self._append_next_blocks(request_ids[:n], ends[:n], self.pool.get_new_blocks(n * len(self.managers)))
-        return n
+        if not n:
+            return []
+        return self._append_next_blocks(request_ids[:n], ends[:n], self.pool.get_new_blocks(n * len(self.managers)))
 
     def _num_opening(self, request_ids: list[str], ends: list[int]) -> int:
         """How many leading rows, each computing one token at its end, pass
         `_opens_one_block` (the pool's blocks for all of them: the caller's cut)."""
         if not self._opens_blocks:
             return 0
-        size = self.block_size
-        n = next((k for k, end in enumerate(ends) if end % size), len(ends))
-        totals = [end + 1 for end in ends[:n]]
+        n, size = len(ends), self.block_size
+        for k, end in enumerate(ends):
+            if end % size:
+                n = k
+                break
+        totals = [end + 1 for end in ends]
         for manager in self.managers:
             n = manager.num_opening_one_block(request_ids[:n], totals[:n])
         return n
 
-    def _append_next_blocks(self, request_ids: list[str], ends: list[int], blocks: list[KVBlock]) -> None:
+    def _append_next_blocks(self, request_ids: list[str], ends: list[int], blocks: list[KVBlock]) -> list[tuple]:
         """`_append_next_block` for each row (request_ids[k] at ends[k], a block
         boundary), row k's blocks being blocks[k * groups:(k + 1) * groups]: a
         group at a time, with no call a row (a crossing cost ~7 us a row in a
@@ -410,9 +413,10 @@ class KVCacheManager:
             manager.append_blocks(request_ids, group_blocks)
         all_tails = self._held.append_fresh_rows(request_ids, [end // size for end in ends], per_group)
         firsts = [end + 1 for end in ends]
+        rooms = [(first, first + size - 1, tails, first) for first, tails in zip(firsts, all_tails)]
         self._num_tokens.update(zip(request_ids, firsts))
-        self._room.update(zip(request_ids, [(first, first + size - 1, tails, first)
-                                            for first, tails in zip(firsts, all_tails)]))
+        self._room.update(zip(request_ids, rooms))
+        return rooms
 
     def _decode_run(self, request_ids: list[str], starts: np.ndarray) -> DecodeRun | None:
         """The run these rows continue, or a new one when the cache's ends are
@@ -426,16 +430,17 @@ class KVCacheManager:
         self._run = DecodeRun.start(request_ids, starts, list(map(self._room.get, request_ids)))
         return self._run
 
-    def _move_run(self, run: DecodeRun) -> None:
+    def _move_run(self, run: DecodeRun, opened: list[tuple]) -> None:
         """Every row's end one further, as `_move_within_tail` moves one: the fill
-        total by the tails of the rows that had a room (those opened this step
-        counted theirs when their blocks were added); rooms now full are left."""
+        total by the tails of the rows that had a room (those `opened` this step,
+        the roomless rows' new rooms, counted theirs when their blocks were
+        added); rooms now full are left."""
         self._held.fill.used_slots += run.room_tails
-        run.set_rooms(run.roomless, list(map(self._room.__getitem__, map(run.request_ids.__getitem__, run.roomless))))
-        run.ends += 1
-        run.roomless, run.lagging = run.filled(self.block_size), True
-        run.roomless_ends = self._leave_rooms(list(map(run.request_ids.__getitem__, run.roomless)))
-        run.set_rooms(run.roomless, [None] * len(run.roomless))
+        run.open_rooms(run.roomless, opened)
+        filled = run.move(self.block_size)
+        run.roomless, run.lagging = filled, True
+        run.roomless_ends = self._leave_rooms(list(map(run.request_ids.__getitem__, filled)))
+        run.close_rooms(filled)
 
     def _leave_rooms(self, request_ids: list[str]) -> list[int]:
         """`_leave_room` for each request, whose end is its room's last slot
