@@ -424,7 +424,7 @@ class Scheduler:
         `streak`: the streak's step the rows are, which vouches for them (each
         computes one token at its request's num_computed_tokens, its `starts`)."""
         if streak is not None:
-            done = self.kv_cache.allocate_decode_rows(rows, streak.request_ids, streak.starts)
+            done = self.kv_cache.allocate_decode_rows(rows, streak.request_ids, streak.starts, streak.previous_rows)
         else:
             done = self.kv_cache.allocate_rows(rows)
         while done < len(rows):

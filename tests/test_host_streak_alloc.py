@@ -145,20 +145,24 @@ def test_an_engine_s_decode_rows_equal_the_row_by_row_allocation():
     kv, counts = engine.kv_cache, {"calls": 0, "stopped": 0, "opened": 0}
     allocate_decode_rows = kv.allocate_decode_rows
 
-    def checked(rows, request_ids, starts):
+    def checked(rows, request_ids, starts, previous_rows=None):
         twin, twin_rows = copy.deepcopy((kv, rows))
         opened = kv.pool.num_free_blocks
-        done = allocate_decode_rows(rows, request_ids, starts)
+        narrowed = previous_rows is not None and kv._narrowed_run(request_ids, starts, previous_rows) is not None
+        done = allocate_decode_rows(rows, request_ids, starts, previous_rows)
         assert done == twin.allocate_rows(twin_rows)
         assert _state(kv, request_ids) == _state(twin, request_ids)
         kv.check_integrity()
         counts["calls"] += 1
         counts["stopped"] += done < len(rows)
         counts["opened"] += kv.pool.num_free_blocks < opened
+        counts["narrowed"] += narrowed
         return done
     kv.allocate_decode_rows = checked
+    counts["narrowed"] = 0
     requests = random_traffic.drive(engine, rng, steps=300, max_requests=50, arrive=0.2)
     assert counts["calls"] > 50 and counts["stopped"] > 0 and counts["opened"] > 10, counts
+    assert counts["narrowed"] > 5, counts   # runs went on without rows that finished
     assert engine.scheduler.num_preemptions > 0
     assert all(r.is_finished for r in requests)
     assert kv.num_free_blocks == kv.num_usable_blocks   # nothing leaked
@@ -254,3 +258,57 @@ def test_a_roomless_row_whose_table_holds_its_next_block_takes_the_general_path(
     assert [len(managers[0].get_block_ids(r)[0]) for r in "012"] == [2, 3, 2]
     assert _state(managers[0], list("012")) == _state(managers[1], list("012"))
     managers[0].check_integrity()
+
+
+@pytest.mark.parametrize("layout", ["full", "full x2"])
+def test_a_run_goes_on_without_the_rows_that_left_as_row_by_row(layout):
+    """Rows leave a decode run (freed, or kept out with their blocks, as a row
+    whose last token is in flight) and the next step names the rows it keeps of
+    the last (`previous_rows`): the run goes on with them, and twin managers,
+    one stepped row by row, agree every step. A call that changes a kept row
+    between the free and the step (here: 2 more tokens scheduled for it) ends
+    what the frees kept of the run: its stale end must not be taken for the row's;
+    nor may a freed row's, should a caller keep it."""
+    rng = random.Random(11)
+    managers = [KVCacheManager(LAYOUTS[layout], num_blocks=400, block_size=4) for _ in range(2)]
+    walks = [_decoding(m, 32, random.Random(4)) for m in managers]
+    narrowed = {"calls": 0}
+    narrow = managers[0]._narrowed_run
+
+    def counted(*args):
+        run = narrow(*args)
+        narrowed["calls"] += run is not None
+        return run
+    managers[0]._narrowed_run = counted
+    ids, previous_rows, changed = [r.request_id for r in walks[0]], None, 0
+    for step in range(40):
+        rows = [(r, 1, r.num_computed_tokens) for r in walks[0]]
+        starts = np.array([r.num_computed_tokens for r in walks[0]], dtype=np.int64)
+        done = managers[0].allocate_decode_rows(rows, ids, starts, previous_rows)
+        assert done == next((i for i, r in enumerate(walks[1]) if not managers[1].allocate_slots(r, 1)), len(rows))
+        assert _state(managers[0], ids) == _state(managers[1], ids), step
+        managers[0].check_integrity()
+        for walk in walks:
+            for r in walk:
+                r.num_computed_tokens += 1
+                r.output_token_ids.append(7)
+        kept = list(range(len(ids)))
+        for _ in range(rng.randrange(3)):   # rows leave: freed, or kept out holding their blocks
+            i = kept.pop(rng.randrange(len(kept)))
+            if rng.random() < 0.6:
+                for manager, walk in zip(managers, walks):
+                    manager.free(walk[i])
+        if step % 5 == 4 and kept:   # a kept row's state changes after the frees
+            for manager, walk in zip(managers, walks):
+                assert manager.allocate_slots(walk[kept[0]], 2)
+            changed += 1
+        if step % 9 == 8 and kept:   # a kept row freed (no caller does): it allocates anew, as row by row
+            for manager, walk in zip(managers, walks):
+                manager.free(walk[kept[-1]])
+            changed += 1
+        for w, walk in enumerate(walks):
+            walks[w] = [walk[i] for i in kept]
+        previous_rows, ids = (ids, np.array(kept, dtype=np.int64)), [ids[i] for i in kept]
+        if len(ids) < 4:
+            break
+    assert narrowed["calls"] > 10 and changed > 4, narrowed
