@@ -36,9 +36,12 @@ class RequestStatus(enum.Enum):
 # A tuple, not a set: `in` compares identities first, where a set would hash the
 # member through Enum.__hash__, Python code (0.12 against 0.07 us here; asked twice
 # per running request per step). Public for the engine's per-token loop, which
-# tests `status in FINISHED_STATUSES` itself rather than call a property.
+# tests `status in FINISHED_STATUSES` itself rather than call a property. A status
+# not in it, a running request's, fails four full comparisons (Enum has no __eq__:
+# ~0.1 us): the per-row loops ask `status is not RUNNING` first (0.02 us).
 FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                      RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+RUNNING = RequestStatus.RUNNING
 
 
 # eq=False: a request is itself, compared (and hashed) by identity. The

@@ -31,7 +31,7 @@ from kvserve.engine.core_protocol import (
     Codec, CoreInputs, CoreJob, CoreOutput, CoreOutputs, DebugReply, ProfileCommand, Rejection,
     salvage_inputs, unpack_sampling_params)
 from kvserve.engine.device_profile import CoreProfiler, profiler_dir
-from kvserve.request import FINISHED_STATUSES
+from kvserve.request import FINISHED_STATUSES, RUNNING
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,8 @@ class EngineCore:
             if sent is None:   # aborted by the API side meanwhile
                 continue
             # `status not in`, not the `is_finished` property: a call less per request per step
-            if sent and request.sampling_params.logprobs is None and request.status not in FINISHED_STATUSES:
+            status = request.status
+            if sent and request.sampling_params.logprobs is None and (status is RUNNING or status not in FINISHED_STATUSES):
                 tokens = request.output_token_ids[sent:]
                 num_sent[request.request_id] = sent + len(tokens)
                 next_ids.append(request.request_id)

@@ -17,7 +17,7 @@ from kvserve.diagnose.recorder import RequestRecorder
 from kvserve.engine.builder import EngineParts, build_engine_parts
 from kvserve.inputs import surrogate_error
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprobs_of
-from kvserve.request import FINISHED_STATUSES, Request, RequestStatus
+from kvserve.request import FINISHED_STATUSES, RUNNING, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.runner.model_runner import InFlightStep, StepResult
 from kvserve.runner.prompt_logprobs import PromptLogprobs
@@ -259,7 +259,8 @@ class LLMEngine:
         token_ids = sampled.token_ids
         for i, item in enumerate(result.rows):
             request = item.request
-            if request.status in FINISHED_STATUSES:  # stopped or aborted while this step was in flight
+            status = request.status
+            if status is not RUNNING and status in FINISHED_STATUSES:  # stopped or aborted while this step was in flight
                 skipped += 1
                 continue
             request.num_pending_tokens -= 1
