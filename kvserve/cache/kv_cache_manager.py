@@ -413,15 +413,14 @@ class KVCacheManager:
         boundary), row k's blocks being blocks[k * groups:(k + 1) * groups]: a
         group at a time, with no call a row (a crossing cost ~7 us a row in a
         served step on this project's CPU, 16 rows a step at 256 running and
-        16-token blocks)."""
+        16-token blocks). Returns the rows' new rooms. The ends stay the decode
+        run's to write (`_move_run`, `_leave_run`)."""
         groups, size = len(self.managers), self.block_size
         per_group = [blocks[g::groups] for g in range(groups)]
         for manager, group_blocks in zip(self.managers, per_group):
             manager.append_blocks(request_ids, group_blocks)
         all_tails = self._held.append_fresh_rows(request_ids, [end // size for end in ends], per_group)
-        firsts = [end + 1 for end in ends]
-        rooms = [(first, first + size - 1, tails, first) for first, tails in zip(firsts, all_tails)]
-        self._num_tokens.update(zip(request_ids, firsts))
+        rooms = [(end + 1, end + size, tails, end + 1) for end, tails in zip(ends, all_tails)]
         self._room.update(zip(request_ids, rooms))
         return rooms
 
