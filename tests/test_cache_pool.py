@@ -177,3 +177,61 @@ def test_block_contents_are_the_lookups_contents_and_extend_the_hashes():
     assert contents == [block_content(hashes, request.all_token_ids, i, 4) for i in (1, 2)]
     with pytest.raises(ValueError, match="block 4 follows 3 hashed blocks"):
         hashing.block_contents(request, 4, 5, 4)
+
+
+def _one_at_a_time(pool: BlockPool, num: int) -> list[KVBlock]:
+    """`get_new_blocks` as it was: a `popleft` (and a dropped hash) per block."""
+    blocks = []
+    for _ in range(num):
+        block = pool.free_queue.popleft()
+        pool._drop_cached(block)
+        block.ref_cnt = 1
+        blocks.append(block)
+    return blocks
+
+
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_blocks_taken_in_a_run_are_those_taken_one_at_a_time(policy):
+    """Twin pools under random allocations, frees (tail first), cached blocks with
+    parents and hits: `get_new_blocks`, which takes the leading uncached free
+    blocks as one run (`popleft_uncached`), hands out the same blocks in the same
+    order, evicts the same ones and leaves the same free queue as one pop a block."""
+    import random
+    from kvserve.cache.eviction import make_eviction_policy
+    rng = random.Random(3)
+    pools = [BlockPool(40, make_eviction_policy(policy)) for _ in range(2)]
+    held: list[list[int]] = []
+    runs, taken_total, pops = 0, 0, [0]
+    popleft = pools[0].free_queue.popleft
+
+    def counted_popleft():
+        pops[0] += 1
+        return popleft()
+    pools[0].free_queue.popleft = counted_popleft
+    for step in range(400):
+        if held and (rng.random() < 0.45 or pools[0].num_free_blocks < 8):
+            ids = held.pop(rng.randrange(len(held)))
+            for pool in pools:
+                pool.free_blocks([pool.blocks[i] for i in reversed(ids)])
+            continue
+        num = rng.randint(1, 8)
+        taken = [pools[0].get_new_blocks(num), _one_at_a_time(pools[1], num)]
+        assert [b.block_id for b in taken[0]] == [b.block_id for b in taken[1]], step
+        runs += any(b.block_hash is None for b in taken[0])
+        taken_total += num
+        parent = None
+        for k, block_id in enumerate(b.block_id for b in taken[0]):
+            if rng.random() < 0.6:   # some blocks fill and are cached, chained to the one before
+                key, hit = bytes([rng.randrange(6), k]), rng.random() < 0.3
+                for pool in pools:
+                    pool.cache_block(pool.blocks[block_id], 0, key, BlockContent(parent, (k,), k))
+                    pool.blocks[block_id].num_hits += hit
+                parent = key
+        held.append([b.block_id for b in taken[0]])
+        refs = {i: sum(ids.count(i) for ids in held) for ids in held for i in ids}
+        for pool in pools:
+            pool.check_integrity(refs)
+        assert [b.block_id for b in pools[0].free_queue] == [b.block_id for b in pools[1].free_queue]
+        assert pools[0].num_evictions == pools[1].num_evictions and pools[0].cached.keys() == pools[1].cached.keys()
+    assert runs > 50 and pools[0].num_evictions > 20
+    assert taken_total - pops[0] > 200, (pops, taken_total)   # blocks taken in runs, not one pop each

@@ -76,6 +76,8 @@ class EvictionPolicy(Protocol):
         """`append` of each block in order."""
     def remove(self, block: KVBlock) -> None: ...
     def popleft(self) -> KVBlock: ...
+    def popleft_uncached(self, limit: int) -> list[KVBlock]:
+        """`popleft` up to `limit` times while the block it pops holds no hash."""
     def update(self, block: KVBlock) -> None:
         """A free block's hash, hit count or child count changed."""
     def __len__(self) -> int: ...
@@ -133,6 +135,20 @@ class FreeBlockQueue:
         self._len -= 1
         return block
 
+    def popleft_uncached(self, limit: int) -> list[KVBlock]:
+        """`popleft` up to `limit` times while the head block holds no hash,
+        unlinked as one run (a decode step's block openings: no call a block)."""
+        blocks, block = [], self._head.next_free
+        while len(blocks) < limit and block is not self._tail and block.block_hash is None:
+            blocks.append(block)
+            block = block.next_free
+        if blocks:
+            self._head.next_free, block.prev_free = block, self._head
+            for taken in blocks:
+                taken.prev_free = taken.next_free = None
+            self._len -= len(blocks)
+        return blocks
+
     def update(self, block: KVBlock) -> None:
         """LRU ignores hits and children: order is free time only."""
 
@@ -187,8 +203,10 @@ class BlockPool:
         """Reclaim `num` free blocks (evicting their cached content) with ref 1."""
         if num > len(self.free_queue):
             raise ValueError(f"asked for {num} blocks, only {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(num):
+        blocks = self.free_queue.popleft_uncached(num)   # no hash to drop: taken at once
+        for block in blocks:
+            block.ref_cnt = 1
+        for _ in range(num - len(blocks)):
             # One at a time: dropping a hash updates the parent's place in the
             # free queue, so no popped block may still look free (ref 0) then.
             block = self.free_queue.popleft()

@@ -105,6 +105,15 @@ class ReuseAwareQueue:
                 return block
         raise ValueError("no free blocks left")
 
+    def popleft_uncached(self, limit: int) -> list[KVBlock]:
+        """`popleft` up to `limit` times while it pops from the uncached list
+        (the first it pops from; its blocks hold no hash)."""
+        blocks = self._uncached.popleft_uncached(limit)
+        for block in blocks:
+            block.free_list = None
+        self._len -= len(blocks)
+        return blocks
+
     def update(self, block: KVBlock) -> None:
         if block.free_list is not self._target(block):
             self.remove(block)
