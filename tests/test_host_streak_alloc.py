@@ -27,7 +27,8 @@ LAYOUTS = {"full": make_kv_cache_groups([FULL]),
 
 def _state(manager: KVCacheManager, request_ids: list[str]) -> tuple:
     """Everything a step's allocation changes, the lagging ends and tail counters
-    synced (without ending a decode run: the next step must be able to continue it)."""
+    synced (without ending a decode run: the next step must be able to continue it;
+    writing the ends hides a run's lagging ones, so some tests look only every few steps)."""
     manager._write_ends()
     for request_id in list(manager._room):
         manager._sync_tails(request_id)
@@ -217,10 +218,11 @@ def test_many_rows_crossing_at_once_equal_the_row_by_row_allocation(layout, bloc
         crossings = max(crossings, int(np.sum(starts % block_size == 0)))
         done = managers[0].allocate_decode_rows(rows, ids, starts)
         assert done == next((i for i, r in enumerate(walks[1]) if not managers[1].allocate_slots(r, 1)), len(rows))
-        assert _state(managers[0], ids) == _state(managers[1], ids), step
         tables = [m.block_tables(ids) for m in managers]
         assert all(a.equal(b) for a, b in zip(*tables)), step
-        managers[0].check_integrity()
+        if step % 3 == 2 or done < len(rows):   # between looks, the run's ends lag (`_state`)
+            assert _state(managers[0], ids) == _state(managers[1], ids), step
+            managers[0].check_integrity()
         if done < len(rows):
             break
         token = rng.randrange(3, 50)
@@ -286,8 +288,9 @@ def test_a_run_goes_on_without_the_rows_that_left_as_row_by_row(layout):
         starts = np.array([r.num_computed_tokens for r in walks[0]], dtype=np.int64)
         done = managers[0].allocate_decode_rows(rows, ids, starts, previous_rows)
         assert done == next((i for i, r in enumerate(walks[1]) if not managers[1].allocate_slots(r, 1)), len(rows))
-        assert _state(managers[0], ids) == _state(managers[1], ids), step
-        managers[0].check_integrity()
+        if step % 4 == 3:   # between looks, the run's ends lag (`_state`)
+            assert _state(managers[0], ids) == _state(managers[1], ids), step
+            managers[0].check_integrity()
         for walk in walks:
             for r in walk:
                 r.num_computed_tokens += 1
@@ -311,4 +314,6 @@ def test_a_run_goes_on_without_the_rows_that_left_as_row_by_row(layout):
         previous_rows, ids = (ids, np.array(kept, dtype=np.int64)), [ids[i] for i in kept]
         if len(ids) < 4:
             break
+    assert _state(managers[0], ids) == _state(managers[1], ids)
+    managers[0].check_integrity()
     assert narrowed["calls"] > 10 and changed > 4, narrowed

@@ -116,7 +116,7 @@ class BlockTableRows:
         if row is None:
             return
         for table, lengths in zip(self._tables, self._lengths):
-            table[row, :lengths[row]] = NULL_BLOCK_ID
+            table[row] = NULL_BLOCK_ID   # the whole row: past its length it is null already, and no length is read
             lengths[row] = 0
         self._free_rows.append(row)
         self._version += 1

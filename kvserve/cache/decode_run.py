@@ -12,12 +12,12 @@ block boundary. The manager's per-request ends (`_num_tokens`) then lag
 behind the array: any other call settles them first (`KVCacheManager._settle`).
 When the streak goes on without some rows (they finished, or wait for their
 last token), the next run is this one's kept rows (`narrowed`), read from
-its arrays, not from the manager's dicts; frees of its rows keep it for that
-(`KVCacheManager._narrowed_run`).
+its arrays, not from the manager's dicts; a free takes its request's row out
+of the run (`gone`) without settling the others (`KVCacheManager._narrowed_run`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import is_, itemgetter, not_
 
@@ -43,6 +43,8 @@ class DecodeRun:
     roomless_ends: list[int]  # their ends (read without numpy: a few rows a step)
     lagging: bool = False    # `_num_tokens` lags behind `ends`
     moves: int = 0           # steps the run moved every end one further (`move`)
+    # Requests freed while the run holds (`KVCacheManager._free_run_row`): their ends are -1.
+    gone: list[str] = field(default_factory=list)
     # From the second move on: the rows by end % block_size at that move (`_phases`).
     phases: list[list[int]] | None = None
 
@@ -51,16 +53,22 @@ class DecodeRun:
         roomless = list(compress(range(len(rooms)), map(not_, rooms)))
         return cls(request_ids, ends.copy(), rooms, room_tails(rooms), roomless, ends[roomless].tolist())
 
-    def narrowed(self, request_ids: list[str], kept: np.ndarray, ends: np.ndarray) -> "DecodeRun":
-        """A new run of this run's rows `kept` (ascending), `request_ids` and at
-        `ends`. Their room tails are this run's less those of the rows left out
-        (a few), counted without reading the kept rows' rooms (~10 us cold)."""
-        rooms = list(map(self.rooms.__getitem__, kept.tolist()))
-        roomless = list(compress(range(len(rooms)), map(is_, rooms, repeat(None))))
+    def left_out(self, kept: np.ndarray) -> list[int]:
+        """The rows not in `kept`, in order."""
         left_out = np.ones(len(self.rooms), dtype=bool)
         left_out[kept] = False
-        tails = self.room_tails - room_tails(list(map(self.rooms.__getitem__, np.flatnonzero(left_out).tolist())))
-        return DecodeRun(request_ids, ends, rooms, tails, roomless, ends[roomless].tolist())
+        return np.flatnonzero(left_out).tolist()
+
+    def narrowed(self, request_ids: list[str], kept: np.ndarray, ends: np.ndarray,
+                 left_out: list[int]) -> "DecodeRun":
+        """A new run of this run's rows `kept` (ascending, the others `left_out`),
+        `request_ids` and at `ends`, lagging as this one did. Their room tails are
+        this run's less those of the rows left out (a few), counted without
+        reading the kept rows' rooms (~10 us cold)."""
+        rooms = list(map(self.rooms.__getitem__, kept.tolist()))
+        roomless = list(compress(range(len(rooms)), map(is_, rooms, repeat(None))))
+        tails = self.room_tails - room_tails(list(map(self.rooms.__getitem__, left_out)))
+        return DecodeRun(request_ids, ends, rooms, tails, roomless, ends[roomless].tolist(), self.lagging)
 
     def continues(self, request_ids: list[str], starts: np.ndarray) -> bool:
         """Whether a step of `request_ids` at `starts` is this run's next one.

@@ -155,9 +155,6 @@ class KVCacheManager:
         self._room: dict[str, tuple[int, int, list[dict[int, int]], int]] = {}
         # The steady decode steps' rows while they hold (`allocate_decode_rows`); None between.
         self._run: DecodeRun | None = None
-        # The run the last `free` settled, while only frees came since: the next step's
-        # rows may be some of its rows (`_narrowed_run`). Any other settling call drops it.
-        self._freed_run: DecodeRun | None = None
 
     # ---- layout -------------------------------------------------------
     @property
@@ -432,29 +429,35 @@ class KVCacheManager:
         if run is not None and run.continues(request_ids, starts):
             return run
         run = self._narrowed_run(request_ids, starts, previous_rows)
-        self._settle()   # the old run's rows left out of a narrowed one: their ends are the cache's again
-        if run is None and (self._drops_blocks or list(map(self._num_tokens.get, request_ids)) != starts.tolist()):
+        if run is not None:
+            self._run = run
+            return run
+        self._settle()
+        if self._drops_blocks or list(map(self._num_tokens.get, request_ids)) != starts.tolist():
             return None
-        self._run = run or DecodeRun.start(request_ids, starts, list(map(self._room.get, request_ids)))
+        self._run = DecodeRun.start(request_ids, starts, list(map(self._room.get, request_ids)))
         return self._run
 
     def _narrowed_run(self, request_ids: list[str], starts: np.ndarray,
                       previous_rows: tuple[list[str], np.ndarray] | None) -> DecodeRun | None:
-        """The last run's rows `kept` (previous_rows: (its id list, kept)) as a
-        new run, when their ends there are `starts`: a step whose running set
+        """The run's rows `kept` (previous_rows: (its id list, kept)) as a new
+        run, when their ends there are `starts`: a step whose running set
         changed (rows finished or left) reads the rows' ends and rooms from the
         run, not from the manager's dicts (2 x 256 lookups, ~45 us in a served
-        step). The run is the one going on, or the one the frees since settled
-        (`free`: only frees came since, so its ends and rooms are still the
-        cache's; a freed row's end is -1 there, no start)."""
-        old = self._run or self._freed_run
+        step), and writes the ends of the rows left out only (a freed row's,
+        -1, is gone: `_free_run_row`). The kept rows' ends go on lagging."""
+        old = self._run
         if old is None or previous_rows is None or previous_rows[0] is not old.request_ids:
             return None
         kept = previous_rows[1]
         ends = old.ends[kept]
         if starts.data != ends.data:
             return None
-        return old.narrowed(request_ids, kept, ends)
+        left_out = old.left_out(kept)
+        if old.lagging:
+            left_ends = old.ends[left_out].tolist()
+            self._num_tokens.update((old.request_ids[i], end) for i, end in zip(left_out, left_ends) if end >= 0)
+        return old.narrowed(request_ids, kept, ends, left_out)
 
     def _move_run(self, run: DecodeRun, opened: list[tuple]) -> None:
         """Every row's end one further, as `_move_within_tail` moves one: the fill
@@ -501,24 +504,30 @@ class KVCacheManager:
         that may change a request's state besides the run's steps comes here
         first (the run's rooms and ends would no longer be the cache's)."""
         self._write_ends()
-        self._run = self._freed_run = None
+        self._run = None
 
-    def _settle_freeing(self, request_id: str) -> None:
-        """`_settle` before the request's blocks are freed, the run kept as
-        `_freed_run` with the request's row, if it has one, marked gone (end -1)."""
-        run = self._run or self._freed_run
-        self._settle()
-        if run is not None:
-            if request_id in run.request_ids:
-                run.ends[run.request_ids.index(request_id)] = -1
-            self._freed_run = run
+    def _free_run_row(self, request_id: str) -> None:
+        """Before the request's blocks are freed: its end written, and its row,
+        if the decode run has one, gone from the run (end -1: no start matches
+        it, so the run goes on only without it, `_narrowed_run`). A free changes
+        no other request's state, so the run need not be settled."""
+        run = self._run
+        if run is not None and request_id in run.request_ids:
+            i = run.request_ids.index(request_id)
+            if run.ends[i] >= 0:
+                self._num_tokens[request_id] = int(run.ends[i])
+                run.ends[i] = -1
+                run.gone.append(request_id)
 
     def _write_ends(self) -> None:
         """`_num_tokens` up to the decode run's ends, the run going on: for
-        readers that change nothing (`check_integrity`)."""
+        readers that change nothing (`check_integrity`). Rows freed since
+        (`_free_run_row`) have no end."""
         run = self._run
         if run is not None and run.lagging:
             self._num_tokens.update(zip(run.request_ids, run.ends.tolist()))
+            for request_id in run.gone:
+                del self._num_tokens[request_id]
             run.lagging = False
 
     def _open_roomless(self, rows: Sequence[tuple[Request, int, int]], rooms: list, first: int) -> int:
@@ -763,7 +772,7 @@ class KVCacheManager:
         """Release all of a request's blocks (tail first), swapped ones included;
         unknown ids are a no-op. Full blocks its decode steps filled are offered
         to the hash map first (`_offer_deferred`)."""
-        self._settle_freeing(request.request_id)
+        self._free_run_row(request.request_id)
         self._offer_deferred(request)
         self._free_gpu(request.request_id)
         swapped = self._swapped.pop(request.request_id, None)
