@@ -502,7 +502,8 @@ class KVCacheManager:
     def _settle(self) -> None:
         """End the decode run, its ends written to `_num_tokens`: every call
         that may change a request's state besides the run's steps comes here
-        first (the run's rooms and ends would no longer be the cache's)."""
+        first (the run's rooms and ends would no longer be the cache's), but
+        `free`, which changes its own request's only (`_free_run_row`)."""
         self._write_ends()
         self._run = None
 
