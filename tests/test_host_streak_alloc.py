@@ -146,10 +146,16 @@ def test_an_engine_s_decode_rows_equal_the_row_by_row_allocation():
     kv, counts = engine.kv_cache, {"calls": 0, "stopped": 0, "opened": 0}
     allocate_decode_rows = kv.allocate_decode_rows
 
+    narrow = kv._narrowed_run
+
+    def counted_narrow(*args):
+        run = narrow(*args)
+        counts["narrowed"] += run is not None
+        return run
+
     def checked(rows, request_ids, starts, previous_rows=None):
         twin, twin_rows = copy.deepcopy((kv, rows))
         opened = kv.pool.num_free_blocks
-        narrowed = previous_rows is not None and kv._narrowed_run(request_ids, starts, previous_rows) is not None
         done = allocate_decode_rows(rows, request_ids, starts, previous_rows)
         assert done == twin.allocate_rows(twin_rows)
         assert _state(kv, request_ids) == _state(twin, request_ids)
@@ -157,9 +163,8 @@ def test_an_engine_s_decode_rows_equal_the_row_by_row_allocation():
         counts["calls"] += 1
         counts["stopped"] += done < len(rows)
         counts["opened"] += kv.pool.num_free_blocks < opened
-        counts["narrowed"] += narrowed
         return done
-    kv.allocate_decode_rows = checked
+    kv.allocate_decode_rows, kv._narrowed_run = checked, counted_narrow
     counts["narrowed"] = 0
     requests = random_traffic.drive(engine, rng, steps=300, max_requests=50, arrive=0.2)
     assert counts["calls"] > 50 and counts["stopped"] > 0 and counts["opened"] > 10, counts
