@@ -8,11 +8,15 @@ of a 2-layer Qwen3-8B-shaped engine on a 2-core CPU
 a served H200 run's worst TTFTs came in such bursts (docs/BENCHMARKS.md).
 Frozen objects are skipped by every collection.
 
-Offline `generate` is left alone: there a run's own requests stay alive to
-its end and make up most of what a full pass walks. Tried on a 2-core CPU
-with 6,000 requests: neither a freeze for the run nor holding full
-collections back made its passes fewer or measurably cheaper (holding them
-back only moved the pass past the step loop).
+The offline `LLM` freezes its start-up heap too, once built (and thaws it
+when it goes). Its first full collection otherwise walks that heap in the
+middle of the first run: 222 and 252 ms, in one step of the qa scenario's
+~5 s, in two processes on one H100 (docs/BENCHMARKS.md, 2026-12-06), the
+device idle meanwhile. Within a run nothing more is done: there a run's own
+requests stay alive to its end and make up most of what later passes walk.
+Tried on a 2-core CPU with 6,000 requests: neither a freeze for the run nor
+holding full collections back made its passes fewer or measurably cheaper
+(holding them back only moved the pass past the step loop).
 """
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """`LLM`: the offline API, with vLLM's surface (generate, chat, SamplingParams)."""
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, Sequence
 
 from kvserve.config import EngineArgs
+from kvserve.engine.gc_heap import freeze_startup_heap
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.inputs import template_messages
 from kvserve.outputs import RequestOutput
@@ -28,6 +31,11 @@ class LLM:
                           kv_cache_memory_gb=kv_cache_memory_gb, load_format=load_format, seed=seed,
                           hf_overrides=hf_overrides, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.engine = LLMEngine(args)
+        # As vLLM's engine core does: the start-up heap (modules, blocks, graphs) frozen, so the
+        # first full collection of a run does not walk it (kvserve/engine/gc_heap.py); thawed
+        # when this LLM goes, so that a process building several frees each one's cycles.
+        freeze_startup_heap()
+        weakref.finalize(self, gc.unfreeze)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
