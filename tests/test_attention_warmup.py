@@ -128,3 +128,48 @@ def test_large_eager_steps_take_the_large_tile_config(monkeypatch, tokens, head_
     mixed.mixed_attention(q, kv_cache, q, None, None, None, tokens, tokens, 1.0, window, 0,
                           tiles=tiles, **extra)
     assert (seen["config"] is mixed.LARGE_TILES) == large
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cached_prefixes", [False, True])
+def test_no_compile_after_warmup_for_a_listed_gluon_step(cached_prefixes):
+    """A large eager step with one-query rows beside a prompt row takes the Gluon prefill kernel
+    over a work list (`LISTED`): the warm-up compiles it too (a cold cache once spent 2.5 s
+    compiling it inside the qa scenario)."""
+    from triton import knobs
+    from kvserve.attention.kernels import mixed
+    from kvserve.attention.kernels.warmup import warm_eager_attention
+    device = torch.device("cuda")
+    layer = _layers()[0]
+    heads, kv_heads, dim, block = layer.num_heads, layer.num_kv_heads, layer.head_dim, 16
+    q_probe = torch.zeros(1, heads, dim, dtype=torch.bfloat16, device=device)
+    if mixed.gluon_prefill(q_probe, torch.zeros(2, 2, block, kv_heads, dim, dtype=torch.bfloat16, device=device)) is None:
+        pytest.skip("the Gluon prefill kernel does not serve this GPU")
+    warm_eager_attention([layer], block, torch.bfloat16, device)
+    lens, contexts = [4200] + [1] * 64, [4200 + 256 * cached_prefixes] + [300] * 64
+    width = -(-max(contexts) // block)
+    cache = torch.zeros(2, len(lens) * width + 1, block, kv_heads, dim, dtype=torch.bfloat16, device=device)
+    table = torch.arange(1, len(lens) * width + 1, dtype=torch.int32, device=device).view(len(lens), width)
+    starts = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    q = torch.zeros(int(starts[-1]), heads, dim, dtype=torch.bfloat16, device=device)
+    fresh = torch.zeros(q.shape[0], kv_heads, dim, dtype=torch.bfloat16, device=device)
+    from kvserve.attention.kernels.prefill_gluon import plan_tiles
+    lists = []
+
+    def tile_list(min_q_len):
+        lists.append(torch.from_numpy(plan_tiles(lens, contexts, heads // kv_heads, min_q_len)).to(device))
+        return lists[-1]
+    compiled = []
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **info: compiled.append(info["fn"].name)
+    try:
+        mixed.mixed_attention(q, cache, torch.empty_like(q), table, starts, seq_lens, max(lens), max(contexts),
+                              layer.scale, None, 0, fresh_kv=(fresh, fresh), cached_prefixes=cached_prefixes,
+                              paged_below=block if cached_prefixes else 0, tile_list=tile_list)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert lists, "the step did not take the Gluon kernel's list"
+    assert compiled == []

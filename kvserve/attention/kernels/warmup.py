@@ -13,10 +13,12 @@ Split counts are not specialised (`do_not_specialize` in both kernels), so one
 launch per variant class covers them all: direct or split, and for the reduces each
 power of two their split loads are padded to; the prefill kernel in both of its
 eager tile configs (kernels/mixed.py), and the TMA prefill kernel of large eager
-steps where the GPU takes it (kernels/prefill_tma.py).
+steps where the GPU takes it (kernels/prefill_tma.py), with its Gluon kernel over the
+full grid and over a work list.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -31,8 +33,11 @@ from kvserve.attention.kernels.prefill import PrefillConfig, prefill_attention
 from kvserve.attention.kernels.prefill_tma import prefill_attention_tma, supports_tma
 from kvserve.attention.triton_backend import mask_bounds
 
+logger = logging.getLogger(__name__)
+
 CONTEXT = 64        # keys of the tiny batch's sequences
 PREFILL_QUERY = 16  # query tokens of its prefill sequence
+LIST_GRID_BOUND = 1 << 16   # a max_query_len whose full grid a one-item work list always beats
 
 
 def split_counts(max_splits: int) -> list[int]:
@@ -104,6 +109,27 @@ def _warm_gluon(q, k, kv_cache, out, tables, starts, seq_lens, scale: float) -> 
                   cached_prefixes=cached_prefixes)
     except Exception as e:  # noqa: BLE001 - any build failure: the Triton kernel serves instead
         disable_gluon(f"{type(e).__name__}: {str(e)[:500]}")
+        return 0
+    return 2 + _warm_gluon_list(gluon, q, k, kv_cache, out, tables, starts, seq_lens, scale)
+
+
+def _warm_gluon_list(gluon, q, k, kv_cache, out, tables, starts, seq_lens, scale: float) -> int:
+    """The Gluon kernel over a work list (`LISTED`), both builds. A large eager step takes the
+    list once one-query rows sit beside its prompt rows (the full grid would give each of them
+    the longest prompt's tiles): on a cold Triton cache the qa scenario's first such step
+    compiled for 2.5 s (H100, 2026-12-06, docs/BENCHMARKS.md). Here the tiny batch's prompt row
+    is the list, and the grid bound is set high enough that the launch takes it. A failure
+    here leaves the kernel on: the variant then compiles at its first step, as before."""
+    from kvserve.attention.kernels.prefill_gluon import plan_tiles
+    group = q.shape[1] // kv_cache.shape[3]
+    tiles = torch.from_numpy(plan_tiles([1, PREFILL_QUERY], [CONTEXT, CONTEXT], group)).to(q.device)
+    try:
+        for cached_prefixes in (True, False):
+            gluon(q, k, k, kv_cache, out, tables, starts, seq_lens, LIST_GRID_BOUND, scale,
+                  cached_prefixes=cached_prefixes, tiles=tiles)
+    except Exception as e:  # noqa: BLE001 - its own variant only: the kernel still serves full grids
+        logger.warning("warming the Gluon prefill kernel's listed launch failed (%s: %s); it compiles "
+                       "at its first step instead", type(e).__name__, str(e)[:500])
         return 0
     return 2
 
