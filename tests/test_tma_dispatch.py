@@ -105,5 +105,33 @@ def test_a_failed_warm_up_build_switches_gluon_off(monkeypatch):
     monkeypatch.setattr(warmup, "gluon_prefill", lambda q, kv: broken)
     assert warmup._warm_gluon(_q(), None, _cache(), None, None, None, None, 1.0) == 0
     assert mixed._GLUON_OFF["reason"] == "RuntimeError: PassManager::run failed"
-    monkeypatch.setattr(warmup, "gluon_prefill", lambda q, kv: lambda *a, **kw: None)
+    calls = []
+    monkeypatch.setattr(warmup, "gluon_prefill", lambda q, kv: lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(warmup, "_one_row_list", lambda q, kv: "tiles")
+    assert warmup._warm_gluon(_q(), None, _cache(), None, None, None, None, 1.0) == 4
+    # both builds over the full grid, then both over a work list (`LISTED`)
+    assert [(kw["cached_prefixes"], kw.get("tiles")) for kw in calls] == \
+        [(True, None), (False, None), (True, "tiles"), (False, "tiles")]
+
+
+def test_a_failed_listed_warm_up_leaves_gluon_on(monkeypatch):
+    """A listed launch that fails to build only leaves that variant to compile at its first step."""
+    from kvserve.attention.kernels import warmup
+    monkeypatch.setitem(mixed._GLUON_OFF, "reason", None)
+
+    def listed_broken(*a, tiles=None, **kw):
+        if tiles is not None:
+            raise RuntimeError("PassManager::run failed")
+    monkeypatch.setattr(warmup, "gluon_prefill", lambda q, kv: listed_broken)
+    monkeypatch.setattr(warmup, "_one_row_list", lambda q, kv: "tiles")
     assert warmup._warm_gluon(_q(), None, _cache(), None, None, None, None, 1.0) == 2
+    assert mixed._GLUON_OFF["reason"] is None
+
+
+def test_the_listed_warm_up_lists_the_tiny_batchs_prompt_row():
+    """One item: the prompt row (sequence 1) from its first query; the one-query row is left out."""
+    pytest.importorskip("triton.experimental.gluon")
+    import torch
+    from kvserve.attention.kernels import warmup
+    tiles = warmup._one_row_list(torch.zeros(1 + warmup.PREFILL_QUERY, 32, 128), torch.zeros(2, 9, 16, 8, 128))
+    assert tiles.dtype == torch.int32 and tiles.tolist() == [[1, 0]]

@@ -120,10 +120,8 @@ def _warm_gluon_list(gluon, q, k, kv_cache, out, tables, starts, seq_lens, scale
     compiled for 2.5 s (H100, 2026-12-06, docs/BENCHMARKS.md). Here the tiny batch's prompt row
     is the list, and the grid bound is set high enough that the launch takes it. A failure
     here leaves the kernel on: the variant then compiles at its first step, as before."""
-    from kvserve.attention.kernels.prefill_gluon import plan_tiles
-    group = q.shape[1] // kv_cache.shape[3]
-    tiles = torch.from_numpy(plan_tiles([1, PREFILL_QUERY], [CONTEXT, CONTEXT], group)).to(q.device)
     try:
+        tiles = _one_row_list(q, kv_cache)
         for cached_prefixes in (True, False):
             gluon(q, k, k, kv_cache, out, tables, starts, seq_lens, LIST_GRID_BOUND, scale,
                   cached_prefixes=cached_prefixes, tiles=tiles)
@@ -132,6 +130,13 @@ def _warm_gluon_list(gluon, q, k, kv_cache, out, tables, starts, seq_lens, scale
                        "at its first step instead", type(e).__name__, str(e)[:500])
         return 0
     return 2
+
+
+def _one_row_list(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """The Gluon kernel's work list for the tiny batch's prompt row, on q's device."""
+    from kvserve.attention.kernels.prefill_gluon import plan_tiles
+    group = q.shape[1] // kv_cache.shape[3]
+    return torch.from_numpy(plan_tiles([1, PREFILL_QUERY], [CONTEXT, CONTEXT], group)).to(q.device)
 
 
 class _TinyBatch:
