@@ -49,18 +49,9 @@ class BlockFill:
         if fill > old:
             self.used_slots += fill - old
 
-    def add_sole(self, block_id: int, fill: int) -> dict[int, int]:
-        """`add` for a block nobody holds yet (fresh from the pool); returns its counters."""
-        if block_id in self._fills:
-            raise RuntimeError(f"block {block_id} is held already")
-        fills = self._fills[block_id] = {fill: 1}
-        self.num_held += 1
-        self.used_slots += fill
-        return fills
-
     def add_sole_rows(self, block_ids: list[int]) -> list[dict[int, int]]:
-        """`add_sole(block_id, 1)` for each of `block_ids` (distinct blocks fresh
-        from the pool); returns their counters, in order."""
+        """`add` for each of `block_ids`, blocks nobody holds yet (fresh from the
+        pool), each with fill 1; returns their counters, in order."""
         fills_of = self._fills
         if not fills_of.keys().isdisjoint(block_ids):
             raise RuntimeError(f"blocks {sorted(fills_of.keys() & set(block_ids))} are held already")
@@ -208,22 +199,12 @@ class HeldTables:
             if len(table) > start:
                 self.rows.append(request_id, group, start, table[start:])
 
-    def append_fresh(self, request_id: str, index: int, blocks: Sequence[KVBlock]) -> list[dict[int, int]]:
-        """Each group's table gains entry `index`: its block in `blocks`, new
-        (no other holder), holding one token. Returns their fill counters, the
-        request's sole tails (`sole_tails`)."""
-        add_sole, append_row, tails = self.fill.add_sole, self.rows.append_one, []
-        for group, (table, block) in enumerate(zip(self._ids[request_id], blocks)):
-            table.append(block.block_id)
-            tails.append(add_sole(block.block_id, 1))
-            append_row(request_id, group, index, block.block_id)
-        return tails
-
     def append_fresh_rows(self, request_ids: list[str], indices: list[int],
                           blocks: list[list[KVBlock]]) -> list[list[dict[int, int]]]:
-        """`append_fresh(request_ids[k], indices[k], [blocks[g][k] for each group g])`
-        for each k, a group at a time (the mirror lists, the counters, one store
-        per group into the numpy rows). Returns each request's sole tails."""
+        """Request k's table in each group g gains entry indices[k]: blocks[g][k],
+        new (no other holder), holding one token. A group at a time (the mirror
+        lists, the counters, the numpy rows). Returns each request's fill counters,
+        its sole tails (`sole_tails`)."""
         tables = list(map(self._ids.__getitem__, request_ids))
         counters = []
         for group, group_blocks in enumerate(blocks):

@@ -643,23 +643,16 @@ class KVCacheManager:
     def _append_next_block(self, request_id: str, end: int, blocks: list[KVBlock]) -> None:
         """Each group's table gains its fresh block of `blocks`, solely held, for the
         token at `end` (a block boundary), and the new block becomes the room."""
-        for manager, block in zip(self.managers, blocks):
-            manager.append_block(request_id, block)
-        tails = self._held.append_fresh(request_id, end // self.block_size, blocks)
+        self._append_next_blocks([request_id], [end], blocks)
         self._num_tokens[request_id] = end + 1
-        self._room[request_id] = (end + 1, end + self.block_size, tails, end + 1)
 
     def _opens_one_block(self, request_id: str, end: int | None, total: int, reserve: int) -> bool:
         """The end moves one token past a block boundary, no group drops blocks,
         the pool has a block per group, and each group's own policy asks for
         exactly that one (a compressed group holds NULL where no window ends)."""
-        if (end is None or total != end + 1 or end % self.block_size or not self._opens_blocks
-                or len(self.managers) + reserve > len(self.pool.free_queue)):
+        if end is None or total != end + 1 or len(self.managers) + reserve > len(self.pool.free_queue):
             return False
-        for manager in self.managers:  # a loop, not all(generator): once per block opened
-            if manager.num_new_blocks(request_id, total, 0) != 1:
-                return False
-        return True
+        return self._num_opening([request_id], [end]) == 1
 
     def _can_allocate(self, request_id: str, hit: ComputedBlocks | None,
                       first_query_pos: int, total: int, reserve: int = 0) -> bool:

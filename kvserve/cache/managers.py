@@ -101,10 +101,6 @@ class SingleTypeManager(abc.ABC):
                 return n
         return len(request_ids)
 
-    def append_block(self, request_id: str, block: KVBlock) -> None:
-        """A fresh block from the pool at the end of the request's table (it holds one)."""
-        self.req_to_blocks[request_id].append(block)
-
     def append_blocks(self, request_ids: list[str], blocks: list[KVBlock]) -> None:
         """A fresh block from the pool at the end of each request's table, blocks[k]
         at request_ids[k]'s (it holds one)."""
@@ -148,14 +144,6 @@ class FullAttentionManager(SingleTypeManager):
     """Every key stays visible: keep all blocks; hits are prefix-closed."""
 
     drops_blocks = False
-
-    def num_opening_one_block(self, request_ids: list[str], totals: list[int]) -> int:
-        # `num_new_blocks` (this type's is the generic one) for all rows in one comprehension:
-        # a decode step asks it for every row that crosses a block boundary.
-        size, table_of = self.block_size, self.req_to_blocks.get
-        ones = [-(-total // size) - len(table_of(request_id, ())) == 1
-                for request_id, total in zip(request_ids, totals)]
-        return ones.index(False) if False in ones else len(ones)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                                max_length: int) -> list[HitBlock]:
