@@ -580,6 +580,47 @@ def test_the_step_trace_times_triton_compiles_and_keeps_other_hooks(monkeypatch,
     assert knobs.runtime.jit_cache_hook is before and knobs.runtime.jit_post_compile_hook is None
 
 
+def test_a_slow_compile_is_written_beside_the_trace_with_its_step(monkeypatch, tmp_path, capsys):
+    """FILE.jit: a compile over SLOW_JIT_MS, with its step's start, kernel, ms and variant (on one
+    line), and nothing for a step without one or a fast one; a new trace at the same path drops
+    an earlier one's; the trace's summary prints it."""
+    import time
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from kvserve.engine import step_trace
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(step_trace, "SLOW_JIT_MS", 5.0)
+    path = str(tmp_path / "steps.tsv")
+    (tmp_path / "steps.tsv.jit").write_text("stale\n")
+    trace = step_trace.StepTrace(path)
+    assert not (tmp_path / "steps.tsv.jit").exists()
+    engine = SimpleNamespace(_in_flight=None, runner=SimpleNamespace(num_eager_forwards=0), last_gpu_ms=0.0)
+
+    def compile_(key, name, seconds):
+        info = dict(key=key, repr="[i32, 'D']\n  LISTED=True", fn=SimpleNamespace(name=name), compile={},
+                    is_manual_warmup=False, already_compiled=False)
+        knobs.runtime.jit_cache_hook(**info)
+        time.sleep(seconds)
+        knobs.runtime.jit_post_compile_hook(**info)
+
+    trace.record(1.0, 0.001, 0.0, 0.0, engine)
+    compile_("k1", "_prefill_gluon_kernel", 0.02)
+    compile_("k2", "_fast_kernel", 0.0)
+    trace.record(2.0, 0.03, 0.0, 0.0, engine)
+    trace.close()
+    lines = step_trace.slow_compiles(path)
+    assert len(lines) == 1
+    start, kernel, ms, variant = lines[0].split("\t")
+    assert (start, kernel, variant) == ("2.000000", "_prefill_gluon_kernel", "[i32, 'D'] LISTED=True")
+    assert float(ms) >= 20
+    assert step_trace.main([path]) == 0
+    assert "2.000000\t_prefill_gluon_kernel" in capsys.readouterr().out
+
+
 def test_the_sync_check_is_opt_in_and_needs_cuda(monkeypatch):
     import torch
 

@@ -19,7 +19,9 @@ server keeps nearly all of it):
   collection stalls the host); `jit_ms`: Triton compiling (or loading from its
   disk cache) a kernel variant first used in the step. Traces written before
   these columns read as NaN. A compile of more than SLOW_JIT_MS is also logged
-  with the kernel's name;
+  with the kernel's name, and written to FILE.jit (`JIT_SUFFIX`: the step's
+  start_s, the kernel, its ms and its variant, a line each), so the trace
+  names it even where the log was not kept;
 - `dev_allocs`: device memory calls PyTorch's caching allocator made in the
   step (cudaMalloc and cudaFree, or their cuMem counterparts); `alloc_syncs`:
   its cache flushes (a failed cudaMalloc retried, or all streams synchronised
@@ -65,6 +67,8 @@ SYNC_CHECK_ENV = "KVSERVE_SYNC_CHECK"
 FLUSH_EVERY = 256
 PROFILE_EVERY = 2000
 SLOW_JIT_MS = 50.0
+JIT_SUFFIX = ".jit"   # the slow compiles' side file, beside the trace
+JIT_HEADER = "start_s\tkernel\tms\tvariant\n"
 HEADER = ("start_s\tstep_ms\twait_ms\tout_ms\trows\tprompt_tokens\teager\tgc_ms\tjit_ms"
           "\tdev_allocs\talloc_syncs\tprev_gpu_ms\n")
 GPU_HEADER = HEADER.replace("\tprev_gpu_ms", "")                # traces written before the device span
@@ -103,6 +107,7 @@ class JitClock:
     def __init__(self) -> None:
         self._ns = 0
         self._started: dict[str, int] = {}
+        self._slow: list[tuple[str, float, str]] = []   # (kernel, ms, variant) since the last take
         self._knobs = _triton_runtime_knobs()
         if self._knobs is not None:
             self._before, self._after = self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook
@@ -117,9 +122,16 @@ class JitClock:
         self._ns += ns
         if ns / 1e6 > SLOW_JIT_MS:
             # The repr names the variant (argument types, divisibility, constexprs): what to warm up.
+            variant = str(info.get("repr", ""))[:1200]
+            self._slow.append((info["fn"].name, ns / 1e6, variant))
             logger.warning("Triton compiled a new variant of %s in %.0f ms, during serving: %s",
-                           info["fn"].name, ns / 1e6, str(info.get("repr", ""))[:1200])
+                           info["fn"].name, ns / 1e6, variant)
         return self._after(**info) if self._after else None
+
+    def take_slow(self) -> list[tuple[str, float, str]]:
+        """The compiles over SLOW_JIT_MS since the last take: (kernel, ms, variant)."""
+        slow, self._slow = self._slow, []
+        return slow
 
     def take_ms(self) -> float:
         if self._knobs is None:
@@ -158,6 +170,19 @@ class AllocCounter:
         return float(now[0] - last[0]), float(now[1] - last[1])
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def slow_compiles(path: str) -> list[str]:
+    """FILE.jit's lines (header left out): the compiles over SLOW_JIT_MS; [] without the file."""
+    try:
+        with open(path + JIT_SUFFIX) as f:
+            return f.read().splitlines()[1:]
+    except FileNotFoundError:
+        return []
+
+
 def _triton_runtime_knobs():
     try:
         from triton import knobs
@@ -176,6 +201,8 @@ class StepTrace:
         self._gc, self._jit, self._alloc = GcClock(), JitClock(), AllocCounter()
         with open(path, "w") as f:
             f.write(HEADER)
+        if os.path.exists(path + JIT_SUFFIX):   # an earlier trace's compiles are not this one's
+            os.remove(path + JIT_SUFFIX)
 
     @classmethod
     def from_env(cls) -> "StepTrace | None":
@@ -193,6 +220,18 @@ class StepTrace:
                            f"{allocs:.0f}\t{syncs:.0f}\t{engine.last_gpu_ms:.3f}\n")
         if len(self._lines) >= FLUSH_EVERY:
             self.flush()
+        self._write_slow_compiles(start)
+
+    def _write_slow_compiles(self, start: float) -> None:
+        """The step's compiles over SLOW_JIT_MS into FILE.jit, at once (they are rare)."""
+        slow = self._jit.take_slow()
+        if not slow:
+            return
+        path = self.path + JIT_SUFFIX
+        with open(path, "a") as f:
+            if f.tell() == 0:
+                f.write(JIT_HEADER)
+            f.writelines(f"{start:.6f}\t{name}\t{ms:.1f}\t{_one_line(variant)}\n" for name, ms, variant in slow)
 
     def flush(self) -> None:
         with open(self.path, "a") as f:
@@ -431,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
             span = segment[-1]["start_s"] - segment[0]["start_s"]
             print(f"-- segment {i + 1}: {len(segment)} steps over {span:.1f} s")
         print(summary(segment))
+    compiles = slow_compiles(argv[0])
+    if compiles:
+        print(f"-- Triton compiles over {SLOW_JIT_MS:.0f} ms (start_s, kernel, ms, variant; {argv[0]}{JIT_SUFFIX}):")
+        print("\n".join(line[:300] for line in compiles))
     return 0
 
 
