@@ -209,7 +209,7 @@ def test_echo_with_logprobs_covers_prompt_then_completion(tiny_server, hf_model,
               for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
     # The server may merge a choice's pending steps into one chunk (it did, on a
     # slow CI host): the chunk count is not asserted here; the test below
-    # renders a two-chunk stream without the race.
+    # renders a three-chunk stream without the race.
     assert len(chunks[0].logprobs.tokens) > len(prompt)
     _check_echo_logprobs(hf_model, prompt, SimpleNamespace(**merged), 2)
 
@@ -235,6 +235,7 @@ def test_echo_stream_chunks_join_to_the_one_piece_choice():
         assert [v for c in chunks for v in c["logprobs"][key]] == whole["logprobs"][key], key
     assert whole["logprobs"]["tokens"] == ["56", "1", "7", "8", "9", "10"]
     assert whole["logprobs"]["text_offset"] == [0, 2, 3, 4, 5, 6]
+    assert whole["logprobs"]["token_logprobs"] == [None, -1.5, -0.75, -0.5, -0.25, -0.125]
     assert [len(c["logprobs"]["tokens"]) for c in chunks] == [4, 1, 1]
 
 
