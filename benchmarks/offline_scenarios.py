@@ -99,9 +99,11 @@ def fill_like_vllm(model) -> None:
     A compute-bound GEMM's clock depends on the values it multiplies (benchmarks/gemm_data_probe.py),
     so the engines' times compare on the same data only."""
     import torch
+
+    from kvserve.model.loaders.dummy import VLLM_BOUND
     with torch.no_grad():
         for param in model.parameters():
-            param.uniform_(-1e-3, 1e-3)
+            param.uniform_(-VLLM_BOUND, VLLM_BOUND)
 
 
 def trace_steps(engine, path: str):

@@ -81,6 +81,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvserve.cache.decode_run import without_rows
 from kvserve.cache.host_tier import CopyBatch
 from kvserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvserve.config import PREEMPTION_MODES, SchedulerConfig
@@ -183,7 +184,7 @@ class DecodeStreak:
         if not len(kept):
             return None
         left_out, lefts = np.flatnonzero(~keep).tolist(), self.lefts[kept] - 1
-        return self._step(running, budget, _without(self.requests, left_out), _without(self.request_ids, left_out),
+        return self._step(running, budget, without_rows(self.requests, left_out), without_rows(self.request_ids, left_out),
                           self.starts[kept] + 1, lefts, int(lefts.min()), (self.request_ids, kept))
 
     @staticmethod
@@ -634,16 +635,6 @@ def _decode_batch(rows: list[ScheduledRequest], multi: int, known: int,
 # ScheduledRequest(...) without its Python __new__ (nor a partial's call: slower still): the
 # decode loop builds one per running request.
 _tuple_new = tuple.__new__
-
-
-def _without(items: list, rows: list[int]) -> list:
-    """A copy of `items` without the entries at `rows` (ascending): a step
-    whose running set changed loses a few rows of 256, so deleting them from a
-    copy (C memmoves) beats gathering the rest (~8 us a list at 256)."""
-    kept = items.copy()
-    for i in reversed(rows):
-        del kept[i]
-    return kept
 # A row's fields, for C-level passes over a step's rows (`map`: no Python frame per row).
 row_request_id = attrgetter("request.request_id")
 _request_id_of = attrgetter("request_id")

@@ -28,6 +28,16 @@ import numpy as np
 _room_tails = itemgetter(2)
 
 
+def without_rows(items: list, rows: list[int]) -> list:
+    """A copy of `items` without the entries at `rows` (ascending): a step
+    whose running set changed loses a few rows of 256, so deleting them from a
+    copy (C memmoves) beats gathering the rest (~8 us a list at 256)."""
+    kept = items.copy()
+    for i in reversed(rows):
+        del kept[i]
+    return kept
+
+
 def room_tails(rooms: list) -> int:
     """Tails over the rooms that exist (None: no room): the slots a step that
     moves each of their ends by one fills."""
@@ -68,9 +78,7 @@ class DecodeRun:
         roomless rows (this run's, a row without a room is one of them)
         renumbered past them (~25 us less than gathering the kept rows' rooms
         and finding the roomless among them, at 256 rows on this project's CPU)."""
-        rooms = self.rooms.copy()
-        for i in reversed(left_out):
-            del rooms[i]
+        rooms = without_rows(self.rooms, left_out)
         gone = set(left_out)
         roomless = [i - bisect_left(left_out, i) for i in self.roomless if i not in gone]
         tails = self.room_tails - room_tails(list(map(self.rooms.__getitem__, left_out)))
