@@ -113,7 +113,9 @@ class StepTimer:
 # (owner, attribute) of each callable `--parts` times; owner: an engine -> object.
 PARTS = (
     (lambda e: e.scheduler, "_running_rows"), (lambda e: e.scheduler, "_allocate_running"),
-    (lambda e: e.kv_cache, "_open_next_block"), (lambda e: e.scheduler, "update_after_step"),
+    (lambda e: e.kv_cache, "_open_next_block"), (lambda e: e.kv_cache, "_open_run_blocks"),
+    (lambda e: e.kv_cache, "free"), (lambda e: e.kv_cache, "_offer_deferred"),
+    (lambda e: e.scheduler, "update_after_step"),
     (lambda e: e.kv_cache, "block_tables"), (lambda e: batch, "build_host_batch"),
     (lambda e: batch, "slot_mapping"), (lambda e: batch, "upload_packed"),
     (lambda e: getattr(staging, "StagingRing", None), "take"),
