@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import multiprocessing.connection
 import os
 import random
@@ -528,9 +529,40 @@ def test_the_step_trace_times_garbage_collection_and_names_the_longest_host_step
     steps[3].update(step_ms=300.0, wait_ms=0.0, gc_ms=250.0, jit_ms=0.0)
     steps[5].update(step_ms=200.0, wait_ms=0.0)
     text = step_trace.summary(steps)
-    assert ("longest host ms: 300.0 at 0.02 s (decode/graph, 0 prompt, gc 250.0, jit 0.0, allocs not traced, "
-            "flushes not traced), 200.0 at 0.03 s (decode/graph, 0 prompt, gc not traced, jit not traced, "
-            "allocs not traced, flushes not traced)") in text
+    assert ("longest host ms: 300.0 at 0.02 s (decode/graph, 0 prompt, device idle not traced, gc 250.0, jit 0.0, "
+            "allocs not traced, flushes not traced), 200.0 at 0.03 s (decode/graph, 0 prompt, device idle not traced, "
+            "gc not traced, jit not traced, allocs not traced, flushes not traced)") in text
+
+
+def _timed_lines(lines: list[tuple[float, float, float]]) -> list[dict[str, float]]:
+    """Trace lines from (host_ms, wait_ms, gpu_ms of the step it launched), as the core writes them:
+    each line starts when the one before ends, and records the step before's device span."""
+    steps, start, prev_gpu = [], 0.0, math.nan
+    for host, wait, gpu in lines:
+        steps.append({"start_s": start / 1e3, "step_ms": host + wait, "wait_ms": wait, "out_ms": 0.0, "rows": 8,
+                      "prompt_tokens": 0, "eager": 0, "gc_ms": 0.0, "jit_ms": 0.0, "dev_allocs": 0,
+                      "alloc_syncs": 0, "prev_gpu_ms": prev_gpu})
+        start, prev_gpu = start + host + wait, gpu
+    return steps
+
+
+def test_the_longest_host_steps_say_what_they_cost_the_device():
+    """A launch that stalls while the device has finished the step before (here 100 ms of host
+    against a 6 ms step) leaves the device idle for the difference; one that blocks while the
+    device still runs the step before (a full launch queue behind a 180 ms step: the wait then
+    reads ~0) costs it nothing. The summary's longest host steps say which."""
+    from kvserve.engine import step_trace
+    # (host, wait, gpu) per line; a line's wait is for the step the line before launched.
+    steady = [(1.0, 5.0, 6.0)] * 4
+    stalled = [(100.0, 0.0, 6.0), (1.0, 5.0, 6.0)]            # 100 ms launch after a 6 ms step: 94 idle
+    long_step = [(1.0, 5.0, 180.0), (180.0, 0.0, 6.0), (1.0, 4.0, 6.0)]   # blocks while the 180 ms step runs
+    steps = _timed_lines(steady + stalled + steady + long_step + steady)
+    rows = {round(s["host_ms"]): s for s in step_trace.with_periods(steps)}
+    assert rows[100]["idle_before_ms"] == pytest.approx(94.0)
+    assert rows[180]["idle_before_ms"] == pytest.approx(0.0)
+    text = step_trace.summary(steps)
+    assert "longest host ms: 180.0 at 0.16 s (decode/graph, 0 prompt, device idle 0.0, gc 0.0" in text
+    assert "100.0 at 0.02 s (decode/graph, 0 prompt, device idle 94.0, gc 0.0" in text
 
 
 def test_the_step_trace_counts_the_allocators_device_calls_per_step(tmp_path, monkeypatch):

@@ -33,10 +33,12 @@ server keeps nearly all of it):
 launched step (decode only or mixed, graph or eager): the pipeline's time on
 it (what a stream's inter-token latency is made of; `with_periods` says how it
 is read off the lines), the host's time to launch it, the wait, the output,
-and the steps with the longest host time (a stall names itself: garbage
+and the steps with the longest host time, each with the device's idle time
+before it (what the launch cost: ~0 where it blocked on the device's full
+launch queue while the step before ran). A stall names itself: garbage
 collection in `gc_ms`, a kernel compile in `jit_ms`, else a hidden
 synchronisation, which the allocator's columns may name, or a library kernel's
-first launch in the process: docs/DIAGNOSING.md, section 5).
+first launch in the process: docs/DIAGNOSING.md, section 5.
 
 `KVSERVE_CORE_PROFILE=FILE` adds a cProfile of every step of the core's
 (`LLMEngine.step` and the output message), rewritten to FILE every
@@ -324,18 +326,24 @@ def with_periods(steps: list[dict[str, float]], max_idle_ms: float = 500.0) -> l
       so when the device sets the pace its period is this step's device time;
     - `gpu_ms`: the step's device span, first kernel to last (timed runs: the
       next line, which resolves it, records it; NaN in traces without it), and
-      `gap_ms` = device_ms - gpu_ms, the device's idle time around the step.
+      `gap_ms` = device_ms - gpu_ms, the device's idle time around the step;
+    - `idle_before_ms`: the line before's gap_ms (NaN where that line has
+      none): what this line's host time cost the device. A launch that stalls
+      (a collection, a compile, a hidden synchronisation) leaves the device
+      idle once the step before is done; one that blocks on the device's full
+      launch queue waits while the device works, and costs it nothing.
     A line without two successors, or followed by an idle core (no work for
     `max_idle_ms`), has none."""
-    out = []
-    for a, b, c in zip(steps, steps[1:], steps[2:]):
+    out, gaps = [], {}
+    for i, (a, b, c) in enumerate(zip(steps, steps[1:], steps[2:])):
         period = (b["start_s"] - a["start_s"]) * 1e3
         rest = period - a["step_ms"] - a["out_ms"]
         device = (c["start_s"] - b["start_s"]) * 1e3
         if rest <= max_idle_ms and device - b["step_ms"] - b["out_ms"] <= max_idle_ms:
             gpu = b.get("prev_gpu_ms", math.nan)   # lines built by hand (tests) may lack the column
+            gaps[i] = device - gpu
             out.append({**a, "host_ms": a["step_ms"] - a["wait_ms"], "rest_ms": rest, "device_ms": device,
-                        "gpu_ms": gpu, "gap_ms": device - gpu})
+                        "gpu_ms": gpu, "gap_ms": gaps[i], "idle_before_ms": gaps.get(i - 1, math.nan)})
     return out
 
 
@@ -426,13 +434,14 @@ def _fit(steps: list[dict[str, float]], column: str, by: str = "rows", unit: str
 
 
 def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:
-    """The steps whose launch took the host longest, with their garbage-collection and compile time
-    and the allocator's device calls and flushes."""
+    """The steps whose launch took the host longest, with what that cost the device (its idle
+    time before the step: `with_periods`' idle_before_ms), their garbage-collection and compile
+    time and the allocator's device calls and flushes."""
     worst = sorted(steps, key=lambda s: -s["host_ms"])[:count]
     return ["longest host ms: " + ", ".join(
         f"{s['host_ms']:.1f} at {s['start_s']:.2f} s ({kind(s)}, {s['prompt_tokens']:.0f} prompt, "
-        f"gc {_ms(s['gc_ms'])}, jit {_ms(s['jit_ms'])}, allocs {_count(s['dev_allocs'])}, "
-        f"flushes {_count(s['alloc_syncs'])})" for s in worst)] if worst else []
+        f"device idle {_ms(s.get('idle_before_ms', math.nan))}, gc {_ms(s['gc_ms'])}, jit {_ms(s['jit_ms'])}, "
+        f"allocs {_count(s['dev_allocs'])}, flushes {_count(s['alloc_syncs'])})" for s in worst)] if worst else []
 
 
 def _ms(value: float) -> str:
