@@ -440,7 +440,7 @@ def longest_host(steps: list[dict[str, float]], count: int = 5) -> list[str]:
     worst = sorted(steps, key=lambda s: -s["host_ms"])[:count]
     return ["longest host ms: " + ", ".join(
         f"{s['host_ms']:.1f} at {s['start_s']:.2f} s ({kind(s)}, {s['prompt_tokens']:.0f} prompt, "
-        f"device idle {_ms(s.get('idle_before_ms', math.nan))}, gc {_ms(s['gc_ms'])}, jit {_ms(s['jit_ms'])}, "
+        f"device idle {_ms(s['idle_before_ms'])}, gc {_ms(s['gc_ms'])}, jit {_ms(s['jit_ms'])}, "
         f"allocs {_count(s['dev_allocs'])}, flushes {_count(s['alloc_syncs'])})" for s in worst)] if worst else []
 
 
