@@ -184,8 +184,9 @@ class DecodeStreak:
         if not len(kept):
             return None
         left_out, lefts = np.flatnonzero(~keep).tolist(), self.lefts[kept] - 1
-        return self._step(running, budget, without_rows(self.requests, left_out), without_rows(self.request_ids, left_out),
-                          self.starts[kept] + 1, lefts, int(lefts.min()), (self.request_ids, kept))
+        return self._step(running, budget, without_rows(self.requests, left_out),
+                          without_rows(self.request_ids, left_out), self.starts[kept] + 1, lefts, int(lefts.min()),
+                          (self.request_ids, kept))
 
     @staticmethod
     def _step(running: list[Request], budget: int, requests: list[Request], ids: list[str], starts: np.ndarray,
