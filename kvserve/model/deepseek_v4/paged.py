@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.cache.v4_specs import V4GroupLayout, V4KVLayout
+from kvserve.cache.v4_specs import V4KVLayout
 from kvserve.model.deepseek_v4.state import LayerPast
 
 

@@ -8,7 +8,7 @@ request; an uncached forward is a fresh `DenseSequenceKV`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
