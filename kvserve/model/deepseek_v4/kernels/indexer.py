@@ -461,8 +461,10 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
     Scores are a [tokens, max_seq_len // rate] float32 buffer: long prefill
     chunks at long contexts are scored SCORE_BUFFER_BYTES at a time (an
     8,192-token chunk at 1M tokens would need 8.6 GB at once), the top-k
-    shortcut's scratch counted in."""
-    width = max(1, batch.max_seq_len // rate)
+    shortcut's scratch counted in. A row's width is rounded up to a multiple of 16: the
+    kernels see a stride Triton specialises the same way at every context, so a prompt's
+    growing context builds no second variant of them for that."""
+    width = triton.cdiv(max(1, batch.max_seq_len // rate), 16) * 16
     _, groups, candidates = _shortcut_plan(width, k, TOP_K_CONFIG)
     rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * (width + groups + 2 * candidates))))
     scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
