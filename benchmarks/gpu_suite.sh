@@ -20,7 +20,7 @@ case $part in
             tests/test_attention_warmup.py" ;;
   2) files="tests/test_v4_sparse_gluon.py tests/test_deepseek_v4_kernels.py" ;;
   3) files="tests/test_deepseek_v4_graphs.py tests/test_deepseek_v4_gpu.py tests/test_deepseek_v4_fused.py
-            tests/test_deepseek_v4_moe.py tests/test_deepseek_v4_engine.py" ;;
+            tests/test_deepseek_v4_moe.py tests/test_deepseek_v4_engine.py tests/test_v4_launch_variants.py" ;;
   4) files="tests/test_batch_tables.py tests/test_gpu_engine.py tests/test_prompt_logprobs.py tests/test_fused_ops.py
             tests/test_cuda_wait.py tests/test_sweep.py" ;;
   *) echo "part must be 1, 2, 3 or 4, got $part" >&2; exit 2 ;;

@@ -34,3 +34,55 @@ def test_the_census_records_launches_without_running_them():
     assert set(found) == {"_index_scores_kernel", "_top_k_kernel", "_key_plan_kernel", "_sparse_attention_kernel"}
     groups = {dict(s)["GROUP"] for s in found["_top_k_kernel"]}
     assert groups == {0, 8}   # 2,048 entries: no shortcut; 16,384: groups of 8
+
+
+@pytest.mark.parametrize("max_model_len", [131072, 50000, 8192])
+def test_the_start_up_warm_up_builds_every_top_k_a_growing_context_asks_for(max_model_len):
+    """Each top-k build that steps of 1 to 8,192 tokens at contexts up to max_model_len ask for
+    was launched by `warm_top_k` (the same signature: the same compiled kernel)."""
+    import torch
+
+    from kvserve.model.deepseek_v4.kernels.warmup import warm_top_k
+    with lv.recorded_launches() as warmed:
+        count = warm_top_k(torch.device("meta"), max_model_len, lv.CSA_RATE, lv.TOPK)
+    contexts = sorted(set(range(1, max_model_len + 1, 997)) | {max_model_len})
+    asked = lv.census([1, 8192], contexts)["_top_k_kernel"]
+    assert asked <= warmed["_top_k_kernel"]
+    assert count == len(warmed["_top_k_kernel"]) <= 12   # one or two an octave of entries
+
+
+def test_the_row_bounds_are_one_length_a_build():
+    from kvserve.model.deepseek_v4.kernels.indexer import TOP_K_CONFIG, TopKBuild
+    from kvserve.model.deepseek_v4.kernels.warmup import top_k_row_bounds
+    bounds = top_k_row_bounds(32768, 512)
+    builds = [TopKBuild.of(n, 512, TOP_K_CONFIG) for n in bounds]
+    assert len(set(builds)) == len(bounds) and bounds[0] == 1 and bounds[-1] <= 32768
+    assert {TopKBuild.of(n, 512, TOP_K_CONFIG) for n in range(1, 32769, 7)} <= set(builds)
+
+
+def test_the_engine_warms_the_top_k_of_its_csa_layers():
+    import torch
+
+    from kvserve.model.deepseek_v4.engine import _warm_kernels
+    from kvserve.model.deepseek_v4.loader import dummy_config
+    config = dummy_config("deepseek-v4-flash", {})
+    with lv.recorded_launches() as warmed:
+        _warm_kernels(config, torch.device("meta"), 65536)
+    assert {dict(s)["RATE"] for s in warmed["_top_k_kernel"]} == {4}
+    assert len(warmed["_top_k_kernel"]) == 8   # rows of 1 to 16,384 entries
+    sliding_only = dummy_config("deepseek-v4-flash", {"compress_ratios": [0, 0], "num_hidden_layers": 2})
+    with lv.recorded_launches() as none:
+        _warm_kernels(sliding_only, torch.device("meta"), 65536)
+    assert not none
+
+
+@pytest.mark.gpu
+def test_warm_top_k_runs_on_the_gpu():
+    """The warm-up's launches run (a padding row: every index -1) and build nothing twice."""
+    import torch
+
+    from kvserve.model.deepseek_v4.kernels.warmup import warm_top_k
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert warm_top_k(torch.device("cuda"), 131072, 4, 512) == 10
+    torch.cuda.synchronize()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -163,6 +164,8 @@ def build_v4_engine_parts(args: EngineArgs):
     log_layout(kv_layout, num_blocks, layout.bytes_per_block)
     log_plan(plan_v4_memory(num_blocks * layout.bytes_per_block, kv_layout, layout.bytes_per_block // kv_layout.unit),
              config)
+    if device.type == "cuda" and backend == "triton":
+        _warm_kernels(config, device, sched.max_model_len)
     if graphs:
         runner.capture_graphs(sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens)
     if device.type == "cuda":
@@ -170,6 +173,17 @@ def build_v4_engine_parts(args: EngineArgs):
     costs = PreemptionCosts(cache.preemption_mode, cache.kv_copy_bandwidth_gbps * 1e9)
     return EngineParts(config, None, sched, kv_cache, Scheduler(sched, kv_cache, costs), runner,
                        frozenset(config.eos_token_ids))
+
+
+def _warm_kernels(config: DeepseekV4Config, device: torch.device, max_model_len: int) -> None:
+    """Build the indexer's top-k for every context up to max_model_len now, not in a served step."""
+    if CSA not in config.layer_types:
+        return
+    from kvserve.model.deepseek_v4.kernels.warmup import warm_top_k
+    start = time.perf_counter()
+    count = warm_top_k(device, max_model_len, config.compress_rate(CSA), config.index_topk)
+    logger.info("built %d top-k kernels for contexts up to %d tokens in %.1f s", count, max_model_len,
+                time.perf_counter() - start)
 
 
 def _attention_backend(requested: str | None, device: torch.device, config: DeepseekV4Config) -> str:

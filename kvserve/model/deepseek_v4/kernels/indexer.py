@@ -431,6 +431,24 @@ def _shortcut_plan(max_entries: int, k: int, config: TopKConfig) -> tuple[int, i
     return group, groups, triton.next_power_of_2(config.groups_per_k * k)
 
 
+@dataclass(frozen=True)
+class TopKBuild:
+    """The top-k kernel's compile-time choices for rows of up to `max_entries` scores: a launch
+    with other choices compiles another build (`kernels/warmup.py` builds them at start-up)."""
+    block: int
+    num_warps: int
+    group: int
+    block_g: int
+    cand: int
+    one_tile: bool
+
+    @staticmethod
+    def of(max_entries: int, k: int, config: TopKConfig) -> "TopKBuild":
+        block, num_warps = _tile_and_warps(max_entries, config)
+        group, block_g, cand = _shortcut_plan(max_entries, k, config)
+        return TopKBuild(block, num_warps, group, max(block_g, 1), max(cand, 1), block >= max_entries)
+
+
 def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, out: torch.Tensor,
                   config: TopKConfig | None = None) -> torch.Tensor:
     """out[t, :k]: token t's k best visible entries in ascending order, then -1."""
@@ -440,18 +458,21 @@ def top_k_indices(scores: torch.Tensor, batch: V4PagedBatch, rate: int, k: int, 
     if batch.num_tokens == 0:
         return out
     config = config if config is not None else TOP_K_CONFIG
-    max_entries = max(1, batch.max_seq_len // rate)
-    block, num_warps = _tile_and_warps(max_entries, config)
-    group, block_g, cand = _shortcut_plan(max_entries, k, config)
-    block_g, cand = max(block_g, 1), max(cand, 1)
-    scratch = torch.empty(batch.num_tokens if group else 1, block_g + 2 * cand, dtype=torch.int32,
+    b = TopKBuild.of(max(1, batch.max_seq_len // rate), k, config)
+    scratch = torch.empty(batch.num_tokens if b.group else 1, b.block_g + 2 * b.cand, dtype=torch.int32,
                           device=scores.device)
     _top_k_kernel[(batch.num_tokens,)](
         scores, scores.stride(0), out, out.stride(0), batch.seq_idx, batch.positions, k, scratch, scratch.stride(0),
-        RATE=rate, BLOCK=block, BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits,
-        ONE_TILE=block >= max_entries, GROUP=group, BLOCK_G=block_g, CAND=cand,
-        COMPACT=_compact_step(block, num_warps), GROUP_LIST=config.group_list, num_warps=num_warps)
+        RATE=rate, BLOCK=b.block, BLOCK_K=min(1024, triton.next_power_of_2(k)), BITS=config.radix_bits,
+        ONE_TILE=b.one_tile, GROUP=b.group, BLOCK_G=b.block_g, CAND=b.cand,
+        COMPACT=_compact_step(b.block, b.num_warps), GROUP_LIST=config.group_list, num_warps=b.num_warps)
     return out
+
+
+def score_width(max_seq_len: int, rate: int) -> int:
+    """Scores a row of the buffer holds: the visible entries' bound, rounded up to a multiple of 16 (the
+    kernels then see a stride Triton specialises alike at every context: no second build for that)."""
+    return triton.cdiv(max(1, max_seq_len // rate), 16) * 16
 
 
 def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: int, batch: V4PagedBatch,
@@ -461,10 +482,8 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
     Scores are a [tokens, max_seq_len // rate] float32 buffer: long prefill
     chunks at long contexts are scored SCORE_BUFFER_BYTES at a time (an
     8,192-token chunk at 1M tokens would need 8.6 GB at once), the top-k
-    shortcut's scratch counted in. A row's width is rounded up to a multiple of 16: the
-    kernels see a stride Triton specialises the same way at every context, so a prompt's
-    growing context builds no second variant of them for that."""
-    width = triton.cdiv(max(1, batch.max_seq_len // rate), 16) * 16
+    shortcut's scratch counted in; rows `score_width` wide."""
+    width = score_width(batch.max_seq_len, rate)
     _, groups, candidates = _shortcut_plan(width, k, TOP_K_CONFIG)
     rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * (width + groups + 2 * candidates))))
     scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
