@@ -1,8 +1,8 @@
 """benchmarks/v4_launch_variants.py: the V4 kernel builds a growing context asks for.
 
 A served prompt's context grows chunk by chunk; each launch signature it meets for the first time
-compiles inside that step (a 64K-token prompt's prefill took 36.4 s on a cold Triton cache and
-1.3 s on a warm one, on an H100). The indexer's score rows are as wide as the context: unless
+compiles inside that step (a 64K-token prompt's prefill took 36.4 s in an H100 machine's first
+run and 1.3 s once its Triton cache held the builds). The indexer's score rows are as wide as the context: unless
 their width keeps the stride a multiple of 16, Triton builds the score and top-k kernels twice
 over for that alone.
 """

@@ -2,8 +2,9 @@
 
 The top-k kernel takes its tile and shortcut sizes from the step's longest row (`TopKBuild`), so a
 prompt whose context grows chunk by chunk asks for a new build about once an octave of entries,
-and the first step to ask compiles it (seconds on a cold Triton cache: a 64K-token prompt's
-prefill took 36.4 s on a cold cache and 1.3 s warm on an H100, 2026-12-06). `warm_top_k` launches
+and the first step to ask compiles it, seconds each on a cold Triton cache (a 64K-token prompt's
+prefill: 36.4 s in an H100 machine's first run, 1.3 s once the builds were cached, 2026-12-06;
+which builds took the time was not measured). `warm_top_k` launches
 each build that rows of up to `max_model_len // rate` entries can ask for once, on one padding
 row (sequence -1: the kernel writes -1s and exits), so they compile before the first request.
 `benchmarks/v4_launch_variants.py` counts the builds a growing context asks for.
