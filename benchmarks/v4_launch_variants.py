@@ -62,22 +62,29 @@ def recorded_launches():
         JITFunction.__getitem__ = original
 
 
-def layer_step(num_tokens: int, context: int) -> None:
-    """A CSA and an HCA layer's indexer and attention for `num_tokens` tokens ending at `context`."""
+def pages(context: int) -> tuple[V4PagedBatch, PageRef, PageRef, PageRef]:
+    """(a one-token batch, sliding, CSA and HCA entry pages) at `context`, the tables as wide as the
+    engine's (a multiple of 16 entries)."""
     blocks = -(-context // BLOCK)
-    width = -(-blocks // 16) * 16  # the engine's table widths: multiples of 16
-    table = torch.empty(4, width, dtype=torch.int32, device=META)
+    table = torch.empty(4, -(-blocks // 16) * 16, dtype=torch.int32, device=META)
     storage = torch.empty(16, BLOCK * (D + DI) * 2, dtype=torch.bfloat16, device=META)
     batch = V4PagedBatch(storage, V4KVLayout(BLOCK, storage.shape[1], ()), [table] * 3,
-                         torch.empty(num_tokens, dtype=torch.int32, device=META),
-                         torch.empty(num_tokens, dtype=torch.int64, device=META), context)
-    sliding, csa = PageRef(table, 0, BLOCK, D), PageRef(table, BLOCK * D, BLOCK // CSA_RATE, D + DI)
+                         torch.empty(1, dtype=torch.int32, device=META), torch.empty(1, dtype=torch.int64, device=META),
+                         context)
+    return (batch, PageRef(table, 0, BLOCK, D), PageRef(table, BLOCK * D, BLOCK // CSA_RATE, D + DI),
+            PageRef(table, 0, 1, D))
+
+
+def layer_step(num_tokens: int, context: int) -> None:
+    """A CSA and an HCA layer's indexer and attention for `num_tokens` tokens ending at `context`."""
+    one, sliding, csa, hca = pages(context)
+    batch = V4PagedBatch(one.storage, one.layout, one.block_tables, torch.empty(num_tokens, dtype=torch.int32,
+                         device=META), torch.empty(num_tokens, dtype=torch.int64, device=META), context)
     q = torch.empty(num_tokens, H, D, dtype=torch.bfloat16, device=META)
     sinks = torch.empty(H, device=META)
     index = kernels.index_top_k(torch.empty(num_tokens, HI, DI, dtype=torch.bfloat16, device=META),
                                 torch.empty(num_tokens, HI, device=META), csa, D, batch, CSA_RATE, TOPK)
     kernels.sparse_attention(q, sliding, csa, index, sinks, D ** -0.5, WINDOW, CSA_RATE, batch, torch.empty_like(q))
-    hca = PageRef(table, 0, 1, D)
     kernels.sparse_attention(q, sliding, hca, None, sinks, D ** -0.5, WINDOW, HCA_RATE, batch, torch.empty_like(q))
 
 

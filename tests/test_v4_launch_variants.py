@@ -60,20 +60,47 @@ def test_the_row_bounds_are_one_length_a_build():
     assert {TopKBuild.of(n, 512, TOP_K_CONFIG) for n in range(1, 32769, 7)} <= set(builds)
 
 
-def test_the_engine_warms_the_top_k_of_its_csa_layers():
+def _meta_runner(config):
+    from types import SimpleNamespace
+
     import torch
 
+    from kvserve.cache.v4_specs import v4_kv_layout
+    layout = v4_kv_layout(config, 16)
+    storage = torch.empty(4, layout.unit, dtype=torch.bfloat16, device="meta")
+    return SimpleNamespace(device=torch.device("meta"), kv_storage=storage, layout=SimpleNamespace(kv=layout))
+
+
+def test_the_engine_warms_its_top_k_and_its_prefill_attention():
     from kvserve.model.deepseek_v4.engine import _warm_kernels
     from kvserve.model.deepseek_v4.loader import dummy_config
     config = dummy_config("deepseek-v4-flash", {})
     with lv.recorded_launches() as warmed:
-        _warm_kernels(config, torch.device("meta"), 65536)
+        _warm_kernels(config, _meta_runner(config), 65536)
     assert {dict(s)["RATE"] for s in warmed["_top_k_kernel"]} == {4}
     assert len(warmed["_top_k_kernel"]) == 8   # rows of 1 to 16,384 entries
+    attention = [dict(s) for s in warmed["_sparse_attention_kernel"]]
+    assert sorted((a["RATE"], a["PLANNED"]) for a in attention) == [(4, False), (128, False)]
     sliding_only = dummy_config("deepseek-v4-flash", {"compress_ratios": [0, 0], "num_hidden_layers": 2})
     with lv.recorded_launches() as none:
-        _warm_kernels(sliding_only, torch.device("meta"), 65536)
+        _warm_kernels(sliding_only, _meta_runner(sliding_only), 65536)
     assert not none
+
+
+def test_the_warm_up_builds_the_attention_long_prefill_chunks_ask_for():
+    """Every unplanned (prefill config) attention build that chunks of 6,600 and 8,192 tokens ask for
+    at contexts to 131,072 was launched by `warm_prefill_attention`, on the same pages."""
+    import torch
+
+    from kvserve.model.deepseek_v4.kernels.pages import V4PagedBatch
+    from kvserve.model.deepseek_v4.kernels.warmup import AttentionPages, warm_prefill_attention
+    asked = {s for s in lv.census([6600, 8192], CONTEXTS)["_sparse_attention_kernel"] if not dict(s)["PLANNED"]}
+    one, sliding, csa, hca = lv.pages(16 * lv.BLOCK)
+    padding = V4PagedBatch(one.storage, one.layout, one.block_tables, one.seq_idx, one.positions, 131072)
+    layers = [AttentionPages(sliding, csa, lv.CSA_RATE, lv.TOPK), AttentionPages(sliding, hca, lv.HCA_RATE, None)]
+    with lv.recorded_launches() as warmed:
+        warm_prefill_attention(padding, layers, lv.H, lv.D, lv.WINDOW)
+    assert asked and asked <= warmed["_sparse_attention_kernel"]
 
 
 @pytest.mark.gpu

@@ -165,7 +165,7 @@ def build_v4_engine_parts(args: EngineArgs):
     log_plan(plan_v4_memory(num_blocks * layout.bytes_per_block, kv_layout, layout.bytes_per_block // kv_layout.unit),
              config)
     if device.type == "cuda" and backend == "triton":
-        _warm_kernels(config, device, sched.max_model_len)
+        _warm_kernels(config, runner, sched.max_model_len)
     if graphs:
         runner.capture_graphs(sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens)
     if device.type == "cuda":
@@ -175,15 +175,32 @@ def build_v4_engine_parts(args: EngineArgs):
                        frozenset(config.eos_token_ids))
 
 
-def _warm_kernels(config: DeepseekV4Config, device: torch.device, max_model_len: int) -> None:
-    """Build the indexer's top-k for every context up to max_model_len now, not in a served step."""
-    if CSA not in config.layer_types:
-        return
-    from kvserve.model.deepseek_v4.kernels.warmup import warm_top_k
+def _warm_kernels(config: DeepseekV4Config, runner: V4Runner, max_model_len: int) -> None:
+    """Build now, not in a served step, what a growing context asks for (`kernels/warmup.py`): the
+    indexer's top-k for every context up to max_model_len, the attention's prefill config."""
+    from kvserve.model.deepseek_v4.kernels import warmup
     start = time.perf_counter()
-    count = warm_top_k(device, max_model_len, config.compress_rate(CSA), config.index_topk)
-    logger.info("built %d top-k kernels for contexts up to %d tokens in %.1f s", count, max_model_len,
-                time.perf_counter() - start)
+    top_k = 0
+    if CSA in config.layer_types:
+        top_k = warmup.warm_top_k(runner.device, max_model_len, config.compress_rate(CSA), config.index_topk)
+    batch = warmup.padding_batch(runner.kv_storage, runner.layout.kv, max_model_len)
+    attention = warmup.warm_prefill_attention(batch, _compressed_layers(config, batch), config.num_attention_heads,
+                                              config.head_dim, config.sliding_window)
+    logger.info("built %d top-k and %d prefill attention kernels (contexts up to %d tokens) in %.1f s", top_k,
+                attention, max_model_len, time.perf_counter() - start)
+
+
+def _compressed_layers(config: DeepseekV4Config, batch) -> list:
+    """The first CSA and the first HCA layer's pages in `batch` (`warmup.AttentionPages`)."""
+    from kvserve.model.deepseek_v4.kernels.warmup import AttentionPages
+    layers = []
+    for kind, layer_type in (("csa", CSA), ("hca", HCA)):
+        if layer_type in config.layer_types:
+            i = config.layer_types.index(layer_type)
+            topk = config.index_topk if layer_type == CSA else None
+            layers.append(AttentionPages(batch.page("sliding", i), batch.page(f"{kind}_entries", i),
+                                         config.compress_rate(layer_type), topk))
+    return layers
 
 
 def _attention_backend(requested: str | None, device: torch.device, config: DeepseekV4Config) -> str:

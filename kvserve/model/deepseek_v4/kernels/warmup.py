@@ -1,4 +1,5 @@
-"""Start-up builds of the V4 indexer's top-k for every context the engine may reach.
+"""Start-up builds of the V4 kernels a growing context asks for: the indexer's top-k for every
+context the engine may reach, and the attention's prefill config.
 
 The top-k kernel takes its tile and shortcut sizes from the step's longest row (`TopKBuild`), so a
 prompt whose context grows chunk by chunk asks for a new build about once an octave of entries,
@@ -7,15 +8,21 @@ prefill: 36.4 s in an H100 machine's first run, 1.3 s once the builds were cache
 which builds took the time was not measured). `warm_top_k` launches
 each build that rows of up to `max_model_len // rate` entries can ask for once, on one padding
 row (sequence -1: the kernel writes -1s and exits), so they compile before the first request.
+Long prefill chunks take the attention's prefill config, whose HCA build no start-up step made
+(the memory profile's chunk is short of context, so its HCA layers take the planned config);
+`warm_prefill_attention` builds it, and the CSA one, on one padding token.
 `benchmarks/v4_launch_variants.py` counts the builds a growing context asks for.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvserve.cache.v4_specs import V4KVLayout
 from kvserve.model.deepseek_v4.kernels.indexer import TOP_K_CONFIG, TopKBuild, score_width, top_k_indices
-from kvserve.model.deepseek_v4.kernels.pages import V4PagedBatch
+from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch
+from kvserve.model.deepseek_v4.kernels.sparse_attention import PREFILL_CONFIG, sparse_attention
 
 
 def top_k_row_bounds(max_entries: int, k: int) -> list[int]:
@@ -40,3 +47,35 @@ def warm_top_k(device: torch.device, max_model_len: int, rate: int, k: int) -> i
         scores = torch.empty(1, score_width(entries * rate, rate), dtype=torch.float32, device=device)
         top_k_indices(scores, batch, rate, k, out)
     return len(bounds)
+
+
+@dataclass(frozen=True)
+class AttentionPages:
+    """One compressed layer's pages and constants, as its attention launch takes them."""
+    sliding: PageRef
+    entries: PageRef
+    rate: int
+    topk: int | None   # CSA: the indexer's k; HCA: None
+
+
+def warm_prefill_attention(batch: V4PagedBatch, layers: list[AttentionPages], heads: int, head_dim: int,
+                           window: int) -> int:
+    """The prefill config's attention once per layer kind, on `batch`'s one padding token (its
+    tables are never read). One split, as a prefill chunk's plan gives: the split count is not
+    part of a build, but one token alone would plan many and their partial buffers. Returns the
+    launches."""
+    device, config = batch.storage.device, replace(PREFILL_CONFIG, num_splits=1)
+    q = torch.zeros(1, heads, head_dim, dtype=batch.storage.dtype, device=device)
+    sinks = torch.zeros(heads, dtype=torch.float32, device=device)
+    for layer in layers:
+        indices = None if layer.topk is None else torch.full((1, layer.topk), -1, dtype=torch.int32, device=device)
+        sparse_attention(q, layer.sliding, layer.entries, indices, sinks, head_dim ** -0.5, window, layer.rate, batch,
+                         torch.empty_like(q), config)
+    return len(layers)
+
+
+def padding_batch(storage: torch.Tensor, layout: V4KVLayout, max_seq_len: int) -> V4PagedBatch:
+    """A batch of one padding token (sequence -1) over `storage`, its tables 16 null entries wide."""
+    tables = [torch.zeros(1, 16, dtype=torch.int32, device=storage.device) for _ in range(max(1, len(layout.groups)))]
+    return V4PagedBatch(storage, layout, tables, torch.full((1,), -1, dtype=torch.int32, device=storage.device),
+                        torch.zeros(1, dtype=torch.int64, device=storage.device), max_seq_len)
