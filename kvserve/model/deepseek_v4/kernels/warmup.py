@@ -5,9 +5,9 @@ The top-k kernel takes its tile and shortcut sizes from the step's longest row (
 prompt whose context grows chunk by chunk asks for a new build about once an octave of entries,
 and the first step to ask compiles it, seconds each on a cold Triton cache (a 64K-token prompt's
 prefill: 36.4 s in an H100 machine's first run, 1.3 s once the builds were cached, 2026-12-06;
-which builds took the time was not measured). `warm_top_k` launches
-each build that rows of up to `max_model_len // rate` entries can ask for once, on one padding
-row (sequence -1: the kernel writes -1s and exits), so they compile before the first request.
+which builds took the time was not measured). `warm_top_k` launches each build that rows of up
+to `max_model_len // rate` entries can ask for once, on one padding row (sequence -1: the kernel
+writes -1s and exits), so they compile before the first request.
 Long prefill chunks take the attention's prefill config, whose HCA build no start-up step made
 (the memory profile's chunk is short of context, so its HCA layers take the planned config);
 `warm_prefill_attention` builds it, and the CSA one, on one padding token.
