@@ -2,9 +2,10 @@
 
 A served prompt's context grows chunk by chunk; each launch signature it meets for the first time
 compiles inside that step (a 64K-token prompt's prefill took 36.4 s in an H100 machine's first
-run and 1.3 s once its Triton cache held the builds). The indexer's score rows are as wide as the context: unless
-their width keeps the stride a multiple of 16, Triton builds the score and top-k kernels twice
-over for that alone.
+run and 1.3 s once its Triton cache held the builds). The indexer's score rows are as wide as the
+context: unless their width keeps the stride a multiple of 16, Triton builds the score and top-k
+kernels twice over for that alone. The start-up warm-up (`kernels/warmup.py`) must launch every
+build a growing context asks for.
 """
 from __future__ import annotations
 
@@ -90,8 +91,6 @@ def test_the_engine_warms_its_top_k_and_its_prefill_attention():
 def test_the_warm_up_builds_the_attention_long_prefill_chunks_ask_for():
     """Every unplanned (prefill config) attention build that chunks of 6,600 and 8,192 tokens ask for
     at contexts to 131,072 was launched by `warm_prefill_attention`, on the same pages."""
-    import torch
-
     from kvserve.model.deepseek_v4.kernels.pages import V4PagedBatch
     from kvserve.model.deepseek_v4.kernels.warmup import AttentionPages, warm_prefill_attention
     asked = {s for s in lv.census([6600, 8192], CONTEXTS)["_sparse_attention_kernel"] if not dict(s)["PLANNED"]}
@@ -105,11 +104,12 @@ def test_the_warm_up_builds_the_attention_long_prefill_chunks_ask_for():
 
 @pytest.mark.gpu
 def test_warm_top_k_runs_on_the_gpu():
-    """The warm-up's launches run (a padding row: every index -1) and build nothing twice."""
+    """The warm-up's launches build and run on the GPU: ten builds at 128K."""
     import torch
 
     from kvserve.model.deepseek_v4.kernels.warmup import warm_top_k
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     assert warm_top_k(torch.device("cuda"), 131072, 4, 512) == 10
+    torch.cuda.synchronize()
     torch.cuda.synchronize()
