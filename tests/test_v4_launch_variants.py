@@ -112,4 +112,3 @@ def test_warm_top_k_runs_on_the_gpu():
         pytest.skip("needs CUDA")
     assert warm_top_k(torch.device("cuda"), 131072, 4, 512) == 10
     torch.cuda.synchronize()
-    torch.cuda.synchronize()
