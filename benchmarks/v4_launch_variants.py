@@ -34,12 +34,15 @@ META = torch.device("meta")
 
 
 def _signature(kernel: JITFunction, args: tuple, kwargs: dict) -> tuple:
-    """What Triton keys a build on, of one launch (pointer alignment aside: always 16 here)."""
+    """What Triton keys a build on, of one launch: constexprs, each specialised int's 1 / multiple of
+    16, and each tensor's start alignment (a meta tensor's data_ptr is 0: its offset tells)."""
     values = dict(zip(kernel.arg_names, args)) | kwargs
     sig = []
     for param in kernel.params:
         value = values.get(param.name)
-        if param.is_constexpr or isinstance(value, bool):
+        if isinstance(value, torch.Tensor):
+            sig.append((param.name, "16B" if value.storage_offset() * value.element_size() % 16 == 0 else "unaligned"))
+        elif param.is_constexpr or isinstance(value, bool):
             sig.append((param.name, value))
         elif isinstance(value, int) and not param.do_not_specialize:
             sig.append((param.name, "1" if value == 1 else "16k" if value % 16 == 0 else "int"))

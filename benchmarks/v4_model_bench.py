@@ -20,6 +20,7 @@ device (no scheduler, no host batch preparation, no detokenisation).
 
     python benchmarks/v4_model_bench.py [--quick]
     python benchmarks/v4_model_bench.py --kernels 1 4096   # where a batch-1 step's time goes
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/v4_model_bench.py --builds   # what a cold start builds, and when
 """
 from __future__ import annotations
 
@@ -163,6 +164,50 @@ def prefill_table(runner, tables: Tables) -> None:
         print(f"| {length:,} | {rate:,.0f} | {length / rate:.2f} |", flush=True)
 
 
+class Builds:
+    """Every Triton build (kernel, ms, variant) from the JIT hooks, for `--builds`."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+        self.rows: list[tuple[str, float, str]] = []
+        self._started: dict[str, float] = {}
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._start, self._done
+
+    def _start(self, **info):
+        self._started[info["key"]] = time.perf_counter()
+
+    def _done(self, **info):
+        ms = (time.perf_counter() - self._started.pop(info["key"], time.perf_counter())) * 1e3
+        # Triton 3.6's `repr` names only the first argument: the constexprs and the specialised
+        # attributes (divisibility by 16, ints equal to 1) are what tell two builds apart.
+        build = info["compile"]
+        self.rows.append((info["fn"].name, ms, f"constants={build['constants']} attrs={build['configs']}"))
+
+    def report(self, phase: str) -> None:
+        rows, self.rows = self.rows, []
+        print(f"\n{phase}: {len(rows)} builds, {sum(r[1] for r in rows) / 1e3:.1f} s")
+        for name, ms, variant in rows:
+            print(f"  {ms:8.0f} ms  {name}  {variant}")
+
+
+def builds_report(runner, tables: "Tables", builds: Builds) -> None:
+    """Which kernels a 64K prompt's chunks build after the engine's start-up, chunk by chunk."""
+    builds.report("engine start-up")
+    prefill_tok_s(runner, tables.build(1, 0, PREFILLS[0]), PREFILLS[0])
+    builds.report(f"a {PREFILLS[0]:,}-token prefill")
+    length = PREFILLS[-1]
+    built, device = tables.build(1, 0, length), runner.device
+    ids = torch.randint(0, runner.model.config.vocab_size, (length,), device=device)
+    with torch.inference_mode():
+        for first in range(0, length, CHUNK):
+            start = time.perf_counter()
+            positions = torch.arange(first, first + CHUNK, device=device)
+            seq = torch.zeros(CHUNK, dtype=torch.int32, device=device)
+            runner.forward_step(V4Step(ids[first:first + CHUNK], positions, seq, built, 1, first + CHUNK))
+            torch.cuda.synchronize()
+            builds.report(f"chunk at {first:,} ({(time.perf_counter() - start) * 1e3:.0f} ms)")
+
+
 def pool_table(runner) -> None:
     layout = runner.layout
     dtype_bytes = layout.bytes_per_block // layout.kv.unit
@@ -205,15 +250,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (a smoke run)")
     parser.add_argument("--kernels", type=int, nargs=2, metavar=("BATCH", "CONTEXT"),
                         help="only the device-kernel table of graph-replayed decode steps at this shape")
+    parser.add_argument("--builds", action="store_true",
+                        help="only the Triton builds of start-up, an 8K prefill and each chunk of a 64K one")
     a = parser.parse_args()
     steps, warmup = (5, 2) if a.quick else (20, 3)
     start = time.perf_counter()
+    builds = Builds() if a.builds else None
     runner = build()
     print(f"# DeepSeek V4 model bench: {MODEL}, bf16, {torch.cuda.get_device_name()}")
     print(f"(engine built and pool filled in {time.perf_counter() - start:.0f} s)")
     tables = Tables(runner)
     if a.kernels:
         kernel_table(runner, tables, *a.kernels)
+        return
+    if builds is not None:
+        builds_report(runner, tables, builds)
         return
     pool_table(runner)
     decode_table(runner, tables, steps, warmup)

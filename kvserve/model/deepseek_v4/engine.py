@@ -177,17 +177,19 @@ def build_v4_engine_parts(args: EngineArgs):
 
 def _warm_kernels(config: DeepseekV4Config, runner: V4Runner, max_model_len: int) -> None:
     """Build now, not in a served step, what a growing context asks for (`kernels/warmup.py`): the
-    indexer's top-k for every context up to max_model_len, the attention's prefill config."""
+    indexer's top-k for every context up to max_model_len, the attention's prefill config, the Gluon
+    attention's key bounds."""
     from kvserve.model.deepseek_v4.kernels import warmup
     start = time.perf_counter()
     top_k = 0
     if CSA in config.layer_types:
         top_k = warmup.warm_top_k(runner.device, max_model_len, config.compress_rate(CSA), config.index_topk)
     batch = warmup.padding_batch(runner.kv_storage, runner.layout.kv, max_model_len)
-    attention = warmup.warm_prefill_attention(batch, _compressed_layers(config, batch), config.num_attention_heads,
-                                              config.head_dim, config.sliding_window)
-    logger.info("built %d top-k and %d prefill attention kernels (contexts up to %d tokens) in %.1f s", top_k,
-                attention, max_model_len, time.perf_counter() - start)
+    layers, heads, window = _compressed_layers(config, batch), config.num_attention_heads, config.sliding_window
+    attention = warmup.warm_prefill_attention(batch, layers, heads, config.head_dim, window)
+    gluon = warmup.warm_gluon_attention(batch, layers, heads, config.head_dim, window)
+    logger.info("built %d top-k, %d prefill attention and %d Gluon attention kernels (contexts up to %d tokens) "
+                "in %.1f s", top_k, attention, gluon, max_model_len, time.perf_counter() - start)
 
 
 def _compressed_layers(config: DeepseekV4Config, batch) -> list:

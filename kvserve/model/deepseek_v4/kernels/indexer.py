@@ -482,10 +482,14 @@ def index_top_k(q: torch.Tensor, weights: torch.Tensor, keys: PageRef, key_col: 
     Scores are a [tokens, max_seq_len // rate] float32 buffer: long prefill
     chunks at long contexts are scored SCORE_BUFFER_BYTES at a time (an
     8,192-token chunk at 1M tokens would need 8.6 GB at once), the top-k
-    shortcut's scratch counted in; rows `score_width` wide."""
+    shortcut's scratch counted in, in parts of a multiple of 16 rows; rows
+    `score_width` wide."""
     width = score_width(batch.max_seq_len, rate)
     _, groups, candidates = _shortcut_plan(width, k, TOP_K_CONFIG)
-    rows = max(1, min(batch.num_tokens, SCORE_BUFFER_BYTES // (4 * (width + groups + 2 * candidates))))
+    # Parts of a multiple of 16 rows: each part's row pointers (q, weights, positions, out) then start
+    # 16-byte aligned, as Triton specialises them; an odd part would build every kernel again.
+    fit = SCORE_BUFFER_BYTES // (4 * (width + groups + 2 * candidates)) // 16 * 16
+    rows = min(batch.num_tokens, max(16, fit))
     scores = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q.device)
     for first in range(0, batch.num_tokens, rows):

@@ -306,8 +306,19 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, nu
 
 
 def _max_keys(batch: V4PagedBatch, window: int, rate: int, topk: int | None) -> int:
+    """A token's key bound, rounded up to a multiple of 16 (the slots past a token's keys plan -1):
+    the plan's width and stride then specialise alike at every context, and the Gluon kernel builds
+    once per key-tile bound, not twice."""
     entries = batch.max_seq_len // rate if rate else 0
-    return min(window, batch.max_seq_len) + (min(entries, topk) if topk is not None else entries)
+    keys = min(window, batch.max_seq_len) + (min(entries, topk) if topk is not None else entries)
+    return -(-max(1, keys) // 16) * 16
+
+
+def row_align_of(batch: V4PagedBatch, sliding: PageRef, entries: PageRef | None) -> int:
+    """The plan's storage-offset unit for a layer's pages (a sliding-only layer: no entry pages)."""
+    # a sliding-only layer's stand-in entry pages are never read: they do not narrow the unit
+    entry_terms = (entries.offset, entries.width) if entries is not None else ()
+    return _row_align(batch.storage.stride(0), sliding.offset, sliding.width, *entry_terms)
 
 
 def _row_align(*offsets: int) -> int:
@@ -364,9 +375,7 @@ def sparse_attention(q: torch.Tensor, sliding: PageRef, entries: PageRef | None,
     num_splits = plan_splits(num_tokens, max_keys, sm_count(q.device), config, head_groups)
     pages = entries if entries is not None else PageRef(sliding.table, 0, 1, 0)
     index = indices if indices is not None else batch.seq_idx[:, None]  # never read without indices
-    # a sliding-only layer's stand-in entry pages are never read: they do not narrow the unit
-    entry_terms = (pages.offset, pages.width) if entries is not None else ()
-    row_align = _row_align(batch.storage.stride(0), sliding.offset, sliding.width, *entry_terms)
+    row_align = row_align_of(batch, sliding, entries)
     gluon = _gluon_module() if config.gluon else None
     if gluon is not None and gluon.supports(q, batch.storage, out, max_keys, row_align):
         plan = _plan(sliding, pages, index, batch, window, topk or 0, rate, max_keys, row_align, topk is not None)

@@ -1,16 +1,19 @@
 """Start-up builds of the V4 kernels a growing context asks for: the indexer's top-k for every
-context the engine may reach, and the attention's prefill config.
+context the engine may reach, the attention's prefill config, and the Gluon kernel's key bounds.
 
 The top-k kernel takes its tile and shortcut sizes from the step's longest row (`TopKBuild`), so a
 prompt whose context grows chunk by chunk asks for a new build about once an octave of entries,
 and the first step to ask compiles it, seconds each on a cold Triton cache (a 64K-token prompt's
 prefill: 36.4 s in an H100 machine's first run, 1.3 s once the builds were cached, 2026-12-06;
-which builds took the time was not measured). `warm_top_k` launches each build that rows of up
-to `max_model_len // rate` entries can ask for once, on one padding row (sequence -1: the kernel
-writes -1s and exits), so they compile before the first request.
+`benchmarks/v4_model_bench.py --builds` lists the builds each chunk makes). `warm_top_k` launches
+each build that rows of up to `max_model_len // rate` entries can ask for once, on one padding row
+(sequence -1: the kernel writes -1s and exits), so they compile before the first request.
 Long prefill chunks take the attention's prefill config, whose HCA build no start-up step made
 (the memory profile's chunk is short of context, so its HCA layers take the planned config);
-`warm_prefill_attention` builds it, and the CSA one, on one padding token.
+`warm_prefill_attention` builds it, and the CSA one, on one padding token. Shorter chunks take the
+Gluon kernel while their plan is small, a build per octave of keys a token (`warm_gluon_attention`).
+Every pointer Triton sees starts 16-byte aligned (the indexer scores long chunks in parts of a
+multiple of 16 rows): an unaligned one would ask for a build of its own.
 `benchmarks/v4_launch_variants.py` counts the builds a growing context asks for.
 """
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 from kvserve.cache.v4_specs import V4KVLayout
 from kvserve.model.deepseek_v4.kernels.indexer import TOP_K_CONFIG, TopKBuild, score_width, top_k_indices
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch
-from kvserve.model.deepseek_v4.kernels.sparse_attention import PREFILL_CONFIG, sparse_attention
+from kvserve.model.deepseek_v4.kernels.sparse_attention import (PREFILL_CONFIG, _gluon_module, _max_keys,
+                                                               row_align_of, sparse_attention)
 
 
 def top_k_row_bounds(max_entries: int, k: int) -> list[int]:
@@ -72,6 +76,38 @@ def warm_prefill_attention(batch: V4PagedBatch, layers: list[AttentionPages], he
         sparse_attention(q, layer.sliding, layer.entries, indices, sinks, head_dim ** -0.5, window, layer.rate, batch,
                          torch.empty_like(q), config)
     return len(layers)
+
+
+def gluon_tile_bounds(max_keys: int) -> list[int]:
+    """The Gluon kernel's staged-id bounds (MAX_TILES) that steps of up to `max_keys` keys a token
+    ask for: each power of two up to the bound's (a build each)."""
+    from kvserve.model.deepseek_v4.kernels.sparse_decode_gluon import BLOCK_N, MAX_IDS, max_tiles
+    return [1 << i for i in range(max_tiles(min(max_keys, MAX_IDS), BLOCK_N).bit_length())]
+
+
+def warm_gluon_attention(batch: V4PagedBatch, layers: list[AttentionPages], heads: int, head_dim: int,
+                         window: int) -> int:
+    """The Gluon kernel's builds an eager chunk of more than DIM_PARTS_MAX_TOKENS tokens asks for (one
+    program a token), for each layer kind's plan unit and each staged-id bound up to the most keys a
+    token has at `batch.max_seq_len`: a prompt's chunks take it while their plan is small, at a new
+    bound each octave of keys. One padding token (its plan all -1). Decode sizes build at graph
+    capture. Returns the launches (0 where the kernel is off or unsupported)."""
+    gluon = _gluon_module()
+    if gluon is None or not gluon.enabled_by_env() or not layers:
+        return 0
+    max_keys = max(_max_keys(batch, window, layer.rate, layer.topk) for layer in layers)
+    device = batch.storage.device
+    q = torch.zeros(1, heads, head_dim, dtype=batch.storage.dtype, device=device)
+    sinks, out = torch.zeros(heads, dtype=torch.float32, device=device), torch.empty_like(q)
+    aligns = {row_align_of(batch, layer.sliding, entries) for layer in layers for entries in (layer.entries, None)}
+    launches = 0
+    for row_align in sorted(aligns):
+        for tiles in gluon_tile_bounds(max_keys):
+            plan = torch.full((1, tiles * gluon.BLOCK_N), -1, dtype=torch.int64, device=device)
+            if gluon.supports(q, batch.storage, out, plan.shape[1], row_align):
+                gluon.sparse_decode_gluon(q, batch.storage, plan, row_align, sinks, 1.0, out, parts=1)
+                launches += 1
+    return launches
 
 
 def padding_batch(storage: torch.Tensor, layout: V4KVLayout, max_seq_len: int) -> V4PagedBatch:
