@@ -120,6 +120,31 @@ def test_the_warm_up_builds_the_gluon_attention_prompt_chunks_ask_for(monkeypatc
     assert asked <= warmed["_sparse_decode_kernel"]
 
 
+def test_the_warm_up_threads_run_every_build_and_pass_on_a_failure(monkeypatch):
+    import threading
+
+    import torch
+
+    from kvserve.model.deepseek_v4.kernels import warmup
+    seen, names = [], set()
+
+    def record(item):
+        seen.append(item)
+        names.add(threading.current_thread().name)
+    monkeypatch.setenv(warmup.WARMUP_THREADS_ENV, "3")
+    warmup._each(record, list(range(7)), torch.device("cpu"))
+    assert sorted(seen) == list(range(7)) and all(n.startswith("v4-warmup") for n in names)
+
+    def fail(item):
+        if item == 5:
+            raise RuntimeError("build 5 failed")
+    with pytest.raises(RuntimeError, match="build 5 failed"):
+        warmup._each(fail, list(range(7)), torch.device("cpu"))
+    monkeypatch.setenv(warmup.WARMUP_THREADS_ENV, "0")
+    with pytest.raises(ValueError, match="KVSERVE_WARMUP_THREADS must be a whole number >= 1, got '0'"):
+        warmup._each(record, [1, 2], torch.device("cpu"))
+
+
 @pytest.mark.gpu
 def test_warm_top_k_runs_on_the_gpu():
     """The warm-up's launches build and run on the GPU: ten builds at 128K."""
