@@ -103,20 +103,23 @@ def test_the_warm_up_builds_the_attention_long_prefill_chunks_ask_for():
 
 
 def test_the_warm_up_builds_the_gluon_attention_prompt_chunks_ask_for(monkeypatch):
-    """Every Gluon attention build that chunks of 100, 512 and 8,192 tokens ask for at contexts to
-    131,072 (wherever their plan is small enough for it) was launched by `warm_gluon_attention`.
-    The kernel cannot run on meta tensors: `supports` is made to say yes, so the launches record."""
+    """Every Gluon attention build that steps of 8 to 8,192 tokens ask for at contexts to 131,072
+    (wherever their plan is small enough for it) was launched by `warm_gluon_attention`. The kernel
+    cannot run on meta tensors: `supports` is made to say yes, so the launches record, and the
+    device has an H100's 132 SMs, so short steps take two programs a token."""
     gluon = pytest.importorskip("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon")
     from kvserve.model.deepseek_v4.kernels.pages import V4PagedBatch
     from kvserve.model.deepseek_v4.kernels.warmup import AttentionPages, warm_gluon_attention
     monkeypatch.setattr(gluon, "supports", lambda *args: True)
-    asked = lv.census([100, 512, 8192], CONTEXTS)["_sparse_decode_kernel"]
+    monkeypatch.setattr(gluon, "sm_count", lambda device: 132)
+    asked = lv.census([8, 30, 66, 100, 512, 8192], CONTEXTS)["_sparse_decode_kernel"]
     one, sliding, csa, hca = lv.pages(16 * lv.BLOCK)
     padding = V4PagedBatch(one.storage, one.layout, one.block_tables, one.seq_idx, one.positions, 131072)
     layers = [AttentionPages(sliding, csa, lv.CSA_RATE, lv.TOPK), AttentionPages(sliding, hca, lv.HCA_RATE, None)]
     with lv.recorded_launches() as warmed:
         warm_gluon_attention(padding, layers, lv.H, lv.D, lv.WINDOW)
     assert len({dict(s)["MAX_TILES"] for s in asked}) >= 4   # the chunks do cross key bounds
+    assert {dict(s)["PARTS"] for s in asked} == {1, 2}
     assert asked <= warmed["_sparse_decode_kernel"]
 
 

@@ -120,11 +120,11 @@ def gluon_tile_bounds(max_keys: int) -> list[int]:
 
 def warm_gluon_attention(batch: V4PagedBatch, layers: list[AttentionPages], heads: int, head_dim: int,
                          window: int) -> int:
-    """The Gluon kernel's builds an eager chunk of more than DIM_PARTS_MAX_TOKENS tokens asks for (one
-    program a token), for each layer kind's plan unit and each staged-id bound up to the most keys a
-    token has at `batch.max_seq_len`: a prompt's chunks take it while their plan is small, at a new
-    bound each octave of keys. One padding token (its plan all -1). Decode sizes build at graph
-    capture. Returns the launches (0 where the kernel is off or unsupported)."""
+    """The Gluon kernel's builds an eager step can ask for: each layer kind's plan unit, each
+    staged-id bound up to the most keys a token has at `batch.max_seq_len` (a prompt's chunks take
+    the kernel while their plan is small, at a new bound each octave of keys), and each count of
+    programs a token `dim_parts` gives (a short prompt's step: two; a long chunk's: one). One padding
+    token (its plan all -1). Returns the launches (0 where the kernel is off or unsupported)."""
     gluon = _gluon_module()
     if gluon is None or not gluon.enabled_by_env() or not layers:
         return 0
@@ -133,12 +133,15 @@ def warm_gluon_attention(batch: V4PagedBatch, layers: list[AttentionPages], head
     q = torch.zeros(1, heads, head_dim, dtype=batch.storage.dtype, device=device)
     sinks, out = torch.zeros(heads, dtype=torch.float32, device=device), torch.empty_like(q)
     aligns = {row_align_of(batch, layer.sliding, entries) for layer in layers for entries in (layer.entries, None)}
-    builds = [(align, tiles * gluon.BLOCK_N) for align in sorted(aligns) for tiles in gluon_tile_bounds(max_keys)]
-    builds = [b for b in builds if gluon.supports(q, batch.storage, out, b[1], b[0])]
+    sms = gluon.sm_count(device)
+    parts = {gluon.dim_parts(n, sms) for n in (gluon.GLUON_MIN_TOKENS, gluon.DIM_PARTS_MAX_TOKENS + 1, sms + 1)}
+    builds = [(align, tiles * gluon.BLOCK_N, p) for align in sorted(aligns) for tiles in gluon_tile_bounds(max_keys)
+              for p in sorted(parts) if gluon.supports(q, batch.storage, out, tiles * gluon.BLOCK_N, align)]
 
-    def launch(build: tuple[int, int]) -> None:
-        plan = torch.full((1, build[1]), -1, dtype=torch.int64, device=device)
-        gluon.sparse_decode_gluon(q, batch.storage, plan, build[0], sinks, 1.0, torch.empty_like(q), parts=1)
+    def launch(build: tuple[int, int, int]) -> None:
+        align, keys, p = build
+        plan = torch.full((1, keys), -1, dtype=torch.int64, device=device)
+        gluon.sparse_decode_gluon(q, batch.storage, plan, align, sinks, 1.0, torch.empty_like(q), parts=p)
     _each(launch, builds, device)
     return len(builds)
 
