@@ -148,6 +148,18 @@ def test_the_warm_up_threads_run_every_build_and_pass_on_a_failure(monkeypatch):
         warmup._each(record, [1, 2], torch.device("cpu"))
 
 
+def test_the_warm_up_threads_name_the_gpu_by_its_index(monkeypatch):
+    """A bare "cuda" device (as the engine may hold it) becomes the current GPU's index: a worker
+    thread's `torch.cuda.set_device` refuses a device without one."""
+    import torch
+
+    from kvserve.model.deepseek_v4.kernels.warmup import cuda_index
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert cuda_index(torch.device("cuda")) == 3
+    assert cuda_index(torch.device("cuda", 1)) == 1
+    assert cuda_index(torch.device("cpu")) is None and cuda_index(torch.device("meta")) is None
+
+
 @pytest.mark.gpu
 def test_warm_top_k_runs_on_the_gpu():
     """The warm-up's launches build and run on the GPU: ten builds at 128K."""

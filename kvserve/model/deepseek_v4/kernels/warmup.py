@@ -51,13 +51,22 @@ def _each(fn, items: list, device: torch.device) -> None:
         for item in items:
             fn(item)
         return
+    index = cuda_index(device)
 
     def run(item):
-        if device.type == "cuda":
-            torch.cuda.set_device(device)   # a new thread's current device is the first GPU
+        if index is not None:
+            torch.cuda.set_device(index)   # a new thread's current device is the first GPU
         fn(item)
     with ThreadPoolExecutor(threads, thread_name_prefix="v4-warmup") as pool:
         list(pool.map(run, items))   # re-raises the first failure
+
+
+def cuda_index(device: torch.device) -> int | None:
+    """`device`'s GPU index, the current one for a bare "cuda" (`set_device` refuses a device without
+    an index); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def top_k_row_bounds(max_entries: int, k: int) -> list[int]:
