@@ -11,6 +11,7 @@ between them. The block tables are as wide as the engine's (a multiple of 16 ent
 
     python benchmarks/v4_launch_variants.py                      # chunks 512 and 8192, contexts to 128K
     python benchmarks/v4_launch_variants.py --chunks 8192 --contexts 8192:65536:8192
+    python benchmarks/v4_launch_variants.py --model --chunks 1 7 16 100 256 1000 8192 --contexts 1:131072:4099
 """
 from __future__ import annotations
 
@@ -91,6 +92,44 @@ def layer_step(num_tokens: int, context: int) -> None:
     kernels.sparse_attention(q, sliding, hca, None, sinks, D ** -0.5, WINDOW, HCA_RATE, batch, torch.empty_like(q))
 
 
+def model_census(sizes: list[int], contexts: list[int], model: str = "deepseek-v4-flash-l8") -> dict[str, set]:
+    """Distinct launch signatures per kernel of whole-model steps (every layer, the kernel path) of
+    each token count in `sizes` at each context, on a meta-tensor model: what served steps of those
+    sizes ask Triton to build. The Gluon attention records as on a 132-SM Hopper."""
+    from kvserve.cache.v4_specs import v4_kv_layout
+    from kvserve.model.deepseek_v4 import loader
+    from kvserve.model.deepseek_v4.kernels import sparse_decode_gluon as gluon
+    net = loader._build(loader.dummy_config(model, {}), torch.bfloat16, "meta")
+    net.place_rope_tables(META)
+    for module in net.modules():
+        if hasattr(module, "backend"):
+            module.backend = "triton"   # the MoE's kernel path (on CUDA by default)
+    layout = v4_kv_layout(net.config, BLOCK)
+    storage = torch.empty(16, layout.unit, dtype=torch.bfloat16, device=META)
+    supports, sm_count = gluon.supports, gluon.sm_count
+    gluon.supports, gluon.sm_count = (lambda *args: True), (lambda device: 132)
+    try:
+        with recorded_launches() as seen, torch.inference_mode():
+            for n in sizes:
+                for context in (c for c in contexts if c >= n):
+                    _model_step(net, layout, storage, n, context)
+    finally:
+        gluon.supports, gluon.sm_count = supports, sm_count
+    return dict(seen)
+
+
+def _model_step(net, layout, storage: torch.Tensor, num_tokens: int, context: int) -> None:
+    """One step of `num_tokens` tokens over up to 4 sequences, the longest `context` tokens."""
+    seqs = min(num_tokens, 4)
+    width = -(-(-(-context // BLOCK)) // 16) * 16   # the engine's tables: a multiple of 16 entries
+    tables = [torch.empty(seqs, width, dtype=torch.int32, device=META) for _ in layout.groups]
+    ids = torch.empty(num_tokens, dtype=torch.long, device=META)
+    positions = torch.empty(num_tokens, dtype=torch.long, device=META)
+    batch = V4PagedBatch(storage, layout, tables, torch.empty(num_tokens, dtype=torch.int32, device=META), positions,
+                         context)
+    net.forward_tokens(ids, positions, [], [], batch)
+
+
 def census(chunks: list[int], contexts: list[int]) -> dict[str, set]:
     """Distinct launch signatures per kernel over every (chunk, context) step."""
     with recorded_launches() as seen:
@@ -118,10 +157,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 8192])
     parser.add_argument("--contexts", type=_range, default=_range("1000:131072:777"),
                         help="start:stop:step of the steps' contexts (default 1000:131072:777)")
+    parser.add_argument("--model", action="store_true",
+                        help="whole-model steps of each --chunks token count (every kernel of the forward)")
     args = parser.parse_args(argv)
     print(f"chunks {args.chunks}, {len(args.contexts)} contexts {args.contexts[0]}..{args.contexts[-1]}")
     print("| kernel | builds | what varies |\n|---|---:|---|")
-    for name, signatures in sorted(census(args.chunks, args.contexts).items()):
+    found = (model_census if args.model else census)(args.chunks, args.contexts)
+    for name, signatures in sorted(found.items()):
         print(f"| `{name}` | {len(signatures)} | {varying(signatures) or '-'} |")
 
 

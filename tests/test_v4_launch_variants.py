@@ -67,25 +67,28 @@ def _meta_runner(config):
     import torch
 
     from kvserve.cache.v4_specs import v4_kv_layout
+    from kvserve.model.deepseek_v4 import loader
     layout = v4_kv_layout(config, 16)
     storage = torch.empty(4, layout.unit, dtype=torch.bfloat16, device="meta")
-    return SimpleNamespace(device=torch.device("meta"), kv_storage=storage, layout=SimpleNamespace(kv=layout))
+    return SimpleNamespace(device=torch.device("meta"), kv_storage=storage, layout=SimpleNamespace(kv=layout),
+                           model=loader._build(config, torch.bfloat16, "meta"))
 
 
-def test_the_engine_warms_its_top_k_and_its_prefill_attention():
+def test_the_engine_warms_its_top_k_its_prefill_attention_and_its_routed_experts():
     from kvserve.model.deepseek_v4.engine import _warm_kernels
     from kvserve.model.deepseek_v4.loader import dummy_config
-    config = dummy_config("deepseek-v4-flash", {})
+    config = dummy_config("deepseek-v4-flash", {"num_hidden_layers": 4, "compress_ratios": [0, 4, 128, 4]})
     with lv.recorded_launches() as warmed:
-        _warm_kernels(config, _meta_runner(config), 65536)
+        _warm_kernels(config, _meta_runner(config), 65536, 8192)
     assert {dict(s)["RATE"] for s in warmed["_top_k_kernel"]} == {4}
     assert len(warmed["_top_k_kernel"]) == 8   # rows of 1 to 16,384 entries
     attention = [dict(s) for s in warmed["_sparse_attention_kernel"]]
     assert sorted((a["RATE"], a["PLANNED"]) for a in attention) == [(4, False), (128, False)]
+    assert len(warmed["_route_kernel"]) == 32   # 256 experts
     sliding_only = dummy_config("deepseek-v4-flash", {"compress_ratios": [0, 0], "num_hidden_layers": 2})
     with lv.recorded_launches() as none:
-        _warm_kernels(sliding_only, _meta_runner(sliding_only), 65536)
-    assert not none
+        _warm_kernels(sliding_only, _meta_runner(sliding_only), 65536, 8192)
+    assert set(none) == {"_router_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel"}   # no attention
 
 
 def test_the_warm_up_builds_the_attention_long_prefill_chunks_ask_for():
@@ -121,6 +124,52 @@ def test_the_warm_up_builds_the_gluon_attention_prompt_chunks_ask_for(monkeypatc
     assert len({dict(s)["MAX_TILES"] for s in asked}) >= 4   # the chunks do cross key bounds
     assert {dict(s)["PARTS"] for s in asked} == {1, 2}
     assert asked <= warmed["_sparse_decode_kernel"]
+
+
+def test_the_warm_up_builds_the_routed_experts_every_step_size_asks_for():
+    """Every route and grouped-GEMM build that steps of 1 to 8,192 tokens ask for in a V4-Flash MoE
+    layer (on meta tensors) was launched by `warm_moe`; the route's pair block alone moves ten times."""
+    import torch
+
+    from kvserve.model.deepseek_v4 import loader
+    from kvserve.model.deepseek_v4.kernels.moe import fused_moe
+    from kvserve.model.deepseek_v4.kernels.warmup import warm_moe
+    config = loader.dummy_config("deepseek-v4-flash-l8", {})
+    moe = loader._build(config, torch.bfloat16, "meta").layers[config.mlp_layer_types.index("moe")].ffn
+    kernels = ("_route_kernel", "_gate_up_kernel", "_down_kernel")
+    with lv.recorded_launches() as asked:
+        for n in sorted(set(range(1, 8193, 5)) | {1 << i for i in range(14)} | {8192}):
+            x = torch.zeros(n, config.hidden_size, dtype=torch.bfloat16, device="meta")
+            weights, indices = moe.gate.forward_fused(x, torch.zeros(n, dtype=torch.long, device="meta"))
+            fused_moe(x, moe.w1, moe.w3, moe.w2, weights, indices, moe.limit)
+    with lv.recorded_launches() as warmed:
+        count = warm_moe(moe, 8192, torch.device("meta"))
+    assert len({dict(s)["BLOCK_P"] for s in asked["_route_kernel"]}) == 10
+    for name in kernels:
+        assert asked[name] <= warmed[name], name
+    assert count == len(warmed["_route_kernel"]) <= 64
+
+
+def test_whole_model_steps_ask_for_no_top_k_gluon_or_expert_build_the_start_up_did_not_make(monkeypatch):
+    """The whole V4-Flash-L8 forward (every layer, on meta tensors) at steps of 1 to 8,192 tokens and
+    contexts to 65,536: its top-k, Gluon attention and routed-expert builds are all among those
+    `_warm_kernels` launched, on the engine's own pages and layers; so are its unplanned attention
+    builds from 8 tokens a step (below, the decode configs: graph capture builds them)."""
+    gluon = pytest.importorskip("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon")
+    from kvserve.model.deepseek_v4.engine import _warm_kernels
+    from kvserve.model.deepseek_v4.loader import dummy_config
+    contexts = list(range(1, 65537, 8191)) + [65536]
+    asked = lv.model_census([1, 7, 16, 100, 1000, 8192], contexts)
+    long_steps = lv.model_census([8, 100, 1000, 8192], contexts)["_sparse_attention_kernel"]
+    monkeypatch.setattr(gluon, "supports", lambda *args: True)
+    monkeypatch.setattr(gluon, "sm_count", lambda device: 132)
+    config = dummy_config("deepseek-v4-flash-l8", {})
+    with lv.recorded_launches() as warmed:
+        _warm_kernels(config, _meta_runner(config), 65536, 8192)
+    for name in ("_top_k_kernel", "_sparse_decode_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel"):
+        assert asked[name] <= warmed[name], name
+    unplanned = {s for s in long_steps if not dict(s)["PLANNED"]}
+    assert unplanned and unplanned <= warmed["_sparse_attention_kernel"]
 
 
 def test_the_warm_up_threads_run_every_build_and_pass_on_a_failure(monkeypatch):

@@ -165,7 +165,7 @@ def build_v4_engine_parts(args: EngineArgs):
     log_plan(plan_v4_memory(num_blocks * layout.bytes_per_block, kv_layout, layout.bytes_per_block // kv_layout.unit),
              config)
     if device.type == "cuda" and backend == "triton":
-        _warm_kernels(config, runner, sched.max_model_len)
+        _warm_kernels(config, runner, sched.max_model_len, sched.max_num_batched_tokens)
     if graphs:
         runner.capture_graphs(sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens)
     if device.type == "cuda":
@@ -175,10 +175,10 @@ def build_v4_engine_parts(args: EngineArgs):
                        frozenset(config.eos_token_ids))
 
 
-def _warm_kernels(config: DeepseekV4Config, runner: V4Runner, max_model_len: int) -> None:
-    """Build now, not in a served step, what a growing context asks for (`kernels/warmup.py`): the
-    indexer's top-k for every context up to max_model_len, the attention's prefill config, the Gluon
-    attention's key bounds."""
+def _warm_kernels(config: DeepseekV4Config, runner: V4Runner, max_model_len: int, max_tokens: int) -> None:
+    """Build now, not in a served step, what a growing context or a step's size asks for
+    (`kernels/warmup.py`): the indexer's top-k for every context up to max_model_len, the attention's
+    prefill config, the Gluon attention's key bounds, the routed experts' kernels up to max_tokens."""
     from kvserve.model.deepseek_v4.kernels import warmup
     start = time.perf_counter()
     top_k = 0
@@ -188,8 +188,10 @@ def _warm_kernels(config: DeepseekV4Config, runner: V4Runner, max_model_len: int
     layers, heads, window = _compressed_layers(config, batch), config.num_attention_heads, config.sliding_window
     attention = warmup.warm_prefill_attention(batch, layers, heads, config.head_dim, window)
     gluon = warmup.warm_gluon_attention(batch, layers, heads, config.head_dim, window)
-    logger.info("built %d top-k, %d prefill attention and %d Gluon attention kernels (contexts up to %d tokens) "
-                "in %.1f s", top_k, attention, gluon, max_model_len, time.perf_counter() - start)
+    routed = warmup.warm_moe(runner.model.layers[0].ffn, max_tokens, runner.device)
+    logger.info("built %d top-k, %d prefill attention, %d Gluon attention and %d routed-expert kernel sets "
+                "(contexts up to %d tokens, steps up to %d) in %.1f s", top_k, attention, gluon, routed,
+                max_model_len, max_tokens, time.perf_counter() - start)
 
 
 def _compressed_layers(config: DeepseekV4Config, batch) -> list:

@@ -71,6 +71,19 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs // block_m + min(num_experts, num_pairs)
 
 
+def moe_build(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple:
+    """What `route` and the two GEMMs are built for at `num_pairs` (token, slot) pairs: the tile
+    config, the route's pair block, and how Triton specialises the pair and tile counts (1, a
+    multiple of 16, other). Equal for two pair counts: no new build (`kernels/warmup.py`)."""
+    config = tile_config(num_pairs, num_experts, dtype)
+    tiles = max_tiles(num_pairs, num_experts, config.block_m)
+    return config, _pair_block(num_pairs), *(1 if n == 1 else 16 if n % 16 == 0 else 0 for n in (num_pairs, tiles))
+
+
+def _pair_block(num_pairs: int) -> int:
+    return min(4096, triton.next_power_of_2(num_pairs))
+
+
 def route(indices: torch.Tensor, num_experts: int, block_m: int) -> ExpertTiles:
     """Tiles of the pairs of `indices` [T, k] (expert ids), in one launch. Rows
     of the unused tiles are left unwritten: the GEMMs never read them."""
@@ -79,7 +92,7 @@ def route(indices: torch.Tensor, num_experts: int, block_m: int) -> ExpertTiles:
     pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=indices.device)
     expert = torch.empty(num_tiles, dtype=torch.int32, device=indices.device)
     _route_kernel[(num_experts + 1,)](indices.contiguous(), pair, expert, num_pairs, num_tiles, num_experts,
-                                      BLOCK_M=block_m, BLOCK_P=min(4096, triton.next_power_of_2(num_pairs)),
+                                      BLOCK_M=block_m, BLOCK_P=_pair_block(num_pairs),
                                       BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
     return ExpertTiles(pair, expert, block_m)
 

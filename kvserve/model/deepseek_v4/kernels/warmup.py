@@ -1,5 +1,6 @@
 """Start-up builds of the V4 kernels a growing context asks for: the indexer's top-k for every
-context the engine may reach, the attention's prefill config, and the Gluon kernel's key bounds.
+context the engine may reach, the attention's prefill config, the Gluon kernel's key bounds, and
+the routed experts' kernels at every step size.
 
 The top-k kernel takes its tile and shortcut sizes from the step's longest row (`TopKBuild`), so a
 prompt whose context grows chunk by chunk asks for a new build about once an octave of entries,
@@ -12,6 +13,7 @@ Long prefill chunks take the attention's prefill config, whose HCA build no star
 (the memory profile's chunk is short of context, so its HCA layers take the planned config);
 `warm_prefill_attention` builds it, and the CSA one, on one padding token. Shorter chunks take the
 Gluon kernel while their plan is small, a build per octave of keys a token (`warm_gluon_attention`).
+The routed experts' route and GEMMs build per tile config and pair block (`warm_moe`).
 Every pointer Triton sees starts 16-byte aligned (the indexer scores long chunks in parts of a
 multiple of 16 rows): an unaligned one would ask for a build of its own.
 `benchmarks/v4_launch_variants.py` counts the builds a growing context asks for.
@@ -153,6 +155,26 @@ def warm_gluon_attention(batch: V4PagedBatch, layers: list[AttentionPages], head
         gluon.sparse_decode_gluon(q, batch.storage, plan, align, sinks, 1.0, torch.empty_like(q), parts=p)
     _each(launch, builds, device)
     return len(builds)
+
+
+def warm_moe(moe, max_tokens: int, device: torch.device) -> int:
+    """The routed experts' builds (`moe.route` and the two grouped GEMMs) a step of up to
+    `max_tokens` tokens can ask for: one step of each distinct `moe_build`'s token count, run
+    through the gate and `fused_moe` on zero inputs (24 steps for 32 experts, 32 for 256, all under
+    400 tokens: the pair block stops growing at 4,096 pairs). `moe` is one `layers.MoE`: every
+    layer shares the kernels. Returns the launches."""
+    from kvserve.model.deepseek_v4.kernels.moe import fused_moe, moe_build
+    k, experts, hidden = moe.gate.top_k, moe.w1.shape[0], moe.w1.shape[2]
+    first: dict[tuple, int] = {}
+    for n in range(1, max_tokens + 1):
+        first.setdefault(moe_build(n * k, experts, moe.w1.dtype), n)
+
+    def launch(n: int) -> None:
+        x = torch.zeros(n, hidden, dtype=moe.w1.dtype, device=device)
+        weights, indices = moe.gate.forward_fused(x, torch.zeros(n, dtype=torch.long, device=device))
+        fused_moe(x, moe.w1, moe.w3, moe.w2, weights, indices, moe.limit)
+    _each(launch, sorted(first.values()), device)
+    return len(first)
 
 
 def padding_batch(storage: torch.Tensor, layout: V4KVLayout, max_seq_len: int) -> V4PagedBatch:
