@@ -49,18 +49,22 @@ def _each(fn, items: list, device: torch.device) -> None:
     build of its own, and Triton's compiler runs them side by side (two top-k builds: 5.2 s one
     after the other, 2.9 s on two threads of this project's 2-core CPU, Triton 3.9)."""
     threads = min(len(items), warmup_threads())
-    if threads <= 1:
-        for item in items:
-            fn(item)
-        return
-    index = cuda_index(device)
+    index = cuda_index(device) if threads > 1 else None
 
     def run(item):
         if index is not None:
             torch.cuda.set_device(index)   # a new thread's current device is the first GPU
-        fn(item)
+        with torch.no_grad():   # grad mode is per thread: a worker's starts on
+            fn(item)
+    if threads <= 1:
+        for item in items:
+            run(item)
+        return
+    # The first launch on this thread: a kernel's first launch also sets up what every later one
+    # shares (its source hash, its per-device build cache), which is not for threads to race on.
+    run(items[0])
     with ThreadPoolExecutor(threads, thread_name_prefix="v4-warmup") as pool:
-        list(pool.map(run, items))   # re-raises the first failure
+        list(pool.map(run, items[1:]))   # re-raises the first failure
 
 
 def cuda_index(device: torch.device) -> int | None:
