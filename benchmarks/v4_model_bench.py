@@ -165,7 +165,9 @@ def prefill_table(runner, tables: Tables) -> None:
 
 
 class Builds:
-    """Every Triton build (kernel, ms, variant) from the JIT hooks, for `--builds`."""
+    """Every Triton build (kernel, ms, variant) from the JIT hooks, for `--builds`. The start-up's
+    builds run on several threads (`kernels/warmup.py`): their milliseconds overlap, so a phase's
+    sum can exceed its wall time."""
 
     def __init__(self) -> None:
         from triton import knobs
