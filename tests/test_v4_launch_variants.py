@@ -193,8 +193,16 @@ def test_the_warm_up_threads_run_every_build_and_pass_on_a_failure(monkeypatch):
     def fail(item):
         if item == 5:
             raise RuntimeError("build 5 failed")
-    with pytest.raises(RuntimeError, match="build 5 failed"):
+    with pytest.raises(RuntimeError, match="build 5 failed"):   # on the threads, then again in turn
         warmup._each(fail, list(range(7)), torch.device("cpu"))
+    done = []
+
+    def fails_on_workers(item):
+        if threading.current_thread().name.startswith("v4-warmup"):
+            raise RuntimeError("not on a worker")
+        done.append(item)
+    warmup._each(fails_on_workers, list(range(7)), torch.device("cpu"))   # falls back to one at a time
+    assert sorted(done) == list(range(7))
     monkeypatch.setenv(warmup.WARMUP_THREADS_ENV, "0")
     with pytest.raises(ValueError, match="KVSERVE_WARMUP_THREADS must be a whole number >= 1, got '0'"):
         warmup._each(record, [1, 2], torch.device("cpu"))

@@ -20,6 +20,7 @@ multiple of 16 rows): an unaligned one would ask for a build of its own.
 """
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -32,6 +33,8 @@ from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch
 from kvserve.model.deepseek_v4.kernels.sparse_attention import (PREFILL_CONFIG, _gluon_module, _max_keys,
                                                                row_align_of, sparse_attention)
 
+
+logger = logging.getLogger(__name__)
 
 WARMUP_THREADS_ENV = "KVSERVE_WARMUP_THREADS"
 
@@ -63,8 +66,14 @@ def _each(fn, items: list, device: torch.device) -> None:
     # The first launch on this thread: a kernel's first launch also sets up what every later one
     # shares (its source hash, its per-device build cache), which is not for threads to race on.
     run(items[0])
-    with ThreadPoolExecutor(threads, thread_name_prefix="v4-warmup") as pool:
-        list(pool.map(run, items[1:]))   # re-raises the first failure
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="v4-warmup") as pool:
+            list(pool.map(run, items[1:]))   # re-raises the first failure
+    except Exception as e:   # a build that fails on a thread alone must not stop the engine: again, in turn
+        logger.warning("V4 start-up builds on %d threads failed (%s: %s): building them one at a time", threads,
+                       type(e).__name__, e)
+        for item in items[1:]:
+            run(item)
 
 
 def cuda_index(device: torch.device) -> int | None:
