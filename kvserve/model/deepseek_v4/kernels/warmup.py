@@ -55,10 +55,13 @@ def _each(fn, items: list, device: torch.device) -> None:
     index = cuda_index(device) if threads > 1 else None
 
     def run(item):
-        if index is not None:
-            torch.cuda.set_device(index)   # a new thread's current device is the first GPU
         with torch.no_grad():   # grad mode is per thread: a worker's starts on
             fn(item)
+
+    def work(item):
+        if index is not None:
+            torch.cuda.set_device(index)   # a new thread's current device is the first GPU
+        run(item)
     if threads <= 1:
         for item in items:
             run(item)
@@ -68,7 +71,7 @@ def _each(fn, items: list, device: torch.device) -> None:
     run(items[0])
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="v4-warmup") as pool:
-            list(pool.map(run, items[1:]))   # re-raises the first failure
+            list(pool.map(work, items[1:]))   # re-raises the first failure
     except Exception as e:   # a build that fails on a thread alone must not stop the engine: again, in turn
         logger.warning("V4 start-up builds on %d threads failed (%s: %s): building them one at a time", threads,
                        type(e).__name__, e)
