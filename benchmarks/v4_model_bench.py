@@ -31,6 +31,7 @@ import torch
 
 from kvserve.cache.v4_specs import CompressedSpec
 from kvserve.config import EngineArgs
+from kvserve.engine.step_trace import build_variant
 from kvserve.model.deepseek_v4.engine import build_v4_engine_parts, plan_v4_memory
 from kvserve.model.deepseek_v4.graphs import V4Step
 
@@ -180,10 +181,7 @@ class Builds:
 
     def _done(self, **info):
         ms = (time.perf_counter() - self._started.pop(info["key"], time.perf_counter())) * 1e3
-        # Triton 3.6's `repr` names only the first argument: the constexprs and the specialised
-        # attributes (divisibility by 16, ints equal to 1) are what tell two builds apart.
-        build = info["compile"]
-        self.rows.append((info["fn"].name, ms, f"constants={build['constants']} attrs={build['configs']}"))
+        self.rows.append((info["fn"].name, ms, build_variant(info)))
 
     def report(self, phase: str) -> None:
         rows, self.rows = self.rows, []

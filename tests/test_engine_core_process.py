@@ -612,6 +612,17 @@ def test_the_step_trace_times_triton_compiles_and_keeps_other_hooks(monkeypatch,
     assert knobs.runtime.jit_cache_hook is before and knobs.runtime.jit_post_compile_hook is None
 
 
+def test_a_compile_variant_names_its_constexprs_and_attributes_where_the_hook_gives_them():
+    """Triton 3.6's `repr` names only a kernel's first argument: the variant adds the constexprs and
+    specialised attributes, which tell two builds apart (the second `seq_idx_ptr` unaligned here)."""
+    from kvserve.engine.step_trace import build_variant
+    info = dict(repr="_top_k_kernel[num_warps=8](scores_ptr: ()", compile={
+        "constants": {(9,): 4, (10,): 4096}, "configs": [{(4,): [], (5,): [["tt.divisibility", 16]]}]})
+    assert build_variant(info) == ("_top_k_kernel[num_warps=8](scores_ptr: () constants={(9,): 4, (10,): 4096} "
+                                   "attrs=[{(4,): [], (5,): [['tt.divisibility', 16]]}]")
+    assert build_variant(dict(repr="[i32]", compile={})) == "[i32]"
+
+
 def test_a_slow_compile_is_written_beside_the_trace_with_its_step(monkeypatch, tmp_path, capsys):
     """FILE.jit: a compile over SLOW_JIT_MS, with its step's start, kernel, ms and variant (on one
     line), and nothing for a step without one or a fast one; a new trace at the same path drops

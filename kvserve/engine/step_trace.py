@@ -102,6 +102,16 @@ class GcClock:
             gc.callbacks.remove(self._on_gc)
 
 
+def build_variant(info: dict) -> str:
+    """What tells a compile from Triton's JIT hooks apart from the kernel's other builds, i.e. what to
+    warm up: its `repr` (argument types), and, where the hook gives them, its constexprs and
+    specialised attributes (divisibility by 16, ints equal to 1): Triton 3.6's `repr` names only the
+    first argument."""
+    build = info.get("compile")
+    extra = f" constants={build['constants']} attrs={build['configs']}" if build else ""
+    return f"{info.get('repr', '')}{extra}"
+
+
 class JitClock:
     """Time Triton spends compiling kernel variants, from its JIT hooks (called before and after
     each compile of a variant new to the process); earlier hooks keep being called."""
@@ -123,8 +133,7 @@ class JitClock:
         ns = time.perf_counter_ns() - self._started.pop(info["key"], time.perf_counter_ns())
         self._ns += ns
         if ns / 1e6 > SLOW_JIT_MS:
-            # The repr names the variant (argument types, divisibility, constexprs): what to warm up.
-            variant = str(info.get("repr", ""))[:1200]
+            variant = build_variant(info)[:1200]
             self._slow.append((info["fn"].name, ns / 1e6, variant))
             logger.warning("Triton compiled a new variant of %s in %.0f ms, during serving: %s",
                            info["fn"].name, ns / 1e6, variant)
