@@ -26,6 +26,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvserve.cache.block_table_rows import WIDTH_STEP  # noqa: E402
 from kvserve.cache.v4_specs import V4KVLayout  # noqa: E402
 from kvserve.model.deepseek_v4 import kernels  # noqa: E402
 from kvserve.model.deepseek_v4.kernels import PageRef, V4PagedBatch  # noqa: E402
@@ -66,11 +67,16 @@ def recorded_launches():
         JITFunction.__getitem__ = original
 
 
+def _table_width(context: int) -> int:
+    """Block-table entries for `context` tokens, as wide as the engine's (`block_table_rows.WIDTH_STEP`)."""
+    blocks = -(-context // BLOCK)
+    return -(-blocks // WIDTH_STEP) * WIDTH_STEP
+
+
 def pages(context: int) -> tuple[V4PagedBatch, PageRef, PageRef, PageRef]:
     """(a one-token batch, sliding, CSA and HCA entry pages) at `context`, the tables as wide as the
     engine's (a multiple of 16 entries)."""
-    blocks = -(-context // BLOCK)
-    table = torch.empty(4, -(-blocks // 16) * 16, dtype=torch.int32, device=META)
+    table = torch.empty(4, _table_width(context), dtype=torch.int32, device=META)
     storage = torch.empty(16, BLOCK * (D + DI) * 2, dtype=torch.bfloat16, device=META)
     batch = V4PagedBatch(storage, V4KVLayout(BLOCK, storage.shape[1], ()), [table] * 3,
                          torch.empty(1, dtype=torch.int32, device=META), torch.empty(1, dtype=torch.int64, device=META),
@@ -121,8 +127,7 @@ def model_census(sizes: list[int], contexts: list[int], model: str = "deepseek-v
 def _model_step(net, layout, storage: torch.Tensor, num_tokens: int, context: int) -> None:
     """One step of `num_tokens` tokens over up to 4 sequences, the longest `context` tokens."""
     seqs = min(num_tokens, 4)
-    width = -(-(-(-context // BLOCK)) // 16) * 16   # the engine's tables: a multiple of 16 entries
-    tables = [torch.empty(seqs, width, dtype=torch.int32, device=META) for _ in layout.groups]
+    tables = [torch.empty(seqs, _table_width(context), dtype=torch.int32, device=META) for _ in layout.groups]
     ids = torch.empty(num_tokens, dtype=torch.long, device=META)
     positions = torch.empty(num_tokens, dtype=torch.long, device=META)
     batch = V4PagedBatch(storage, layout, tables, torch.empty(num_tokens, dtype=torch.int32, device=META), positions,
