@@ -83,12 +83,15 @@ def test_the_engine_warms_its_top_k_its_prefill_attention_and_its_routed_experts
     assert {dict(s)["RATE"] for s in warmed["_top_k_kernel"]} == {4}
     assert len(warmed["_top_k_kernel"]) == 8   # rows of 1 to 16,384 entries
     attention = [dict(s) for s in warmed["_sparse_attention_kernel"]]
-    assert sorted((a["RATE"], a["PLANNED"]) for a in attention) == [(4, False), (128, False)]
+    assert sorted((a["RATE"], a["num_stages"]) for a in attention if not a["PLANNED"]) == [
+        (0, 3), (4, 2), (4, 3), (128, 2), (128, 3)]   # small steps for every layer kind; prefill, compressed ones
     assert len(warmed["_route_kernel"]) == 32   # 256 experts
     sliding_only = dummy_config("deepseek-v4-flash", {"compress_ratios": [0, 0], "num_hidden_layers": 2})
-    with lv.recorded_launches() as none:
+    with lv.recorded_launches() as sliding:
         _warm_kernels(sliding_only, _meta_runner(sliding_only), 65536, 8192)
-    assert set(none) == {"_router_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel"}   # no attention
+    assert set(sliding) == {"_router_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel",
+                            "_sparse_attention_kernel", "_reduce_kernel"}   # no top-k, no compressed attention
+    assert {dict(s)["RATE"] for s in sliding["_sparse_attention_kernel"]} == {0}
 
 
 def test_the_warm_up_builds_the_attention_long_prefill_chunks_ask_for():
@@ -126,6 +129,23 @@ def test_the_warm_up_builds_the_gluon_attention_prompt_chunks_ask_for(monkeypatc
     assert asked <= warmed["_sparse_decode_kernel"]
 
 
+@pytest.mark.parametrize("num_sms", [4, 132])
+def test_the_small_step_splits_meet_every_reduction_build(num_sms):
+    """Brute force over every key count, not tiles: each split count a step of 1 to 8 tokens plans
+    (the small-step config) has its reduction build among `small_step_splits`' counts, and each of
+    those counts is one that some step plans."""
+    import triton
+
+    from kvserve.model.deepseek_v4.kernels.sparse_attention import DECODE_CONFIGS, plan_splits
+    from kvserve.model.deepseek_v4.kernels.warmup import small_step_splits
+    bound, config = DECODE_CONFIGS[0]
+    pow2 = lambda s: max(2, triton.next_power_of_2(s))   # noqa: E731 (the kernel's SPLITS_POW2)
+    planned = {plan_splits(n, keys, num_sms, config) for n in range(1, bound + 1) for keys in range(1, 1153)}
+    warmed = small_step_splits(1152, 64, num_sms)
+    assert {pow2(s) for s in planned if s > 1} == {pow2(s) for s in warmed}
+    assert set(warmed) <= planned and len(warmed) == len({pow2(s) for s in warmed})
+
+
 def test_the_warm_up_builds_the_routed_experts_every_step_size_asks_for():
     """Every route and grouped-GEMM build that steps of 1 to 8,192 tokens ask for in a V4-Flash MoE
     layer (on meta tensors) was launched by `warm_moe`; the route's pair block alone moves ten times."""
@@ -154,22 +174,25 @@ def test_whole_model_steps_ask_for_no_top_k_gluon_or_expert_build_the_start_up_d
     """The whole V4-Flash-L8 forward (every layer, on meta tensors) at steps of 1 to 8,192 tokens and
     contexts to 65,536: its top-k, Gluon attention and routed-expert builds are all among those
     `_warm_kernels` launched, on the engine's own pages and layers; so are its unplanned attention
-    builds from 8 tokens a step (below, the decode configs: graph capture builds them)."""
+    builds (the prefill config's and the small-step config's, sliding-only layers included) and their
+    split reductions."""
     gluon = pytest.importorskip("kvserve.model.deepseek_v4.kernels.sparse_decode_gluon")
     from kvserve.model.deepseek_v4.engine import _warm_kernels
     from kvserve.model.deepseek_v4.loader import dummy_config
     contexts = list(range(1, 65537, 8191)) + [65536]
     asked = lv.model_census([1, 7, 16, 100, 1000, 8192], contexts)
-    long_steps = lv.model_census([8, 100, 1000, 8192], contexts)["_sparse_attention_kernel"]
     monkeypatch.setattr(gluon, "supports", lambda *args: True)
     monkeypatch.setattr(gluon, "sm_count", lambda device: 132)
     config = dummy_config("deepseek-v4-flash-l8", {})
     with lv.recorded_launches() as warmed:
         _warm_kernels(config, _meta_runner(config), 65536, 8192)
-    for name in ("_top_k_kernel", "_sparse_decode_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel"):
+    for name in ("_top_k_kernel", "_sparse_decode_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel",
+                 "_reduce_kernel"):
         assert asked[name] <= warmed[name], name
-    unplanned = {s for s in long_steps if not dict(s)["PLANNED"]}
-    assert unplanned and unplanned <= warmed["_sparse_attention_kernel"]
+    unplanned = {s for s in asked["_sparse_attention_kernel"] if not dict(s)["PLANNED"]}
+    assert {dict(s)["num_stages"] for s in unplanned} == {2, 3}   # both configs: a step of 1 and one of 8,192
+    assert {dict(s)["RATE"] for s in unplanned} == {0, 4, 128}
+    assert unplanned <= warmed["_sparse_attention_kernel"]
 
 
 def test_the_warm_up_threads_run_every_build_and_pass_on_a_failure(monkeypatch):

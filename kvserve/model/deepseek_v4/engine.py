@@ -20,7 +20,7 @@ import kvserve.cache.compressed_managers  # noqa: F401 (registers the V4 manager
 from kvserve.cache import KVCacheManager
 from kvserve.cache.v4_specs import CompressedSpec, V4KVLayout, v4_kv_layout
 from kvserve.config import EngineArgs
-from kvserve.model.deepseek_v4.config import CSA, HCA, DeepseekV4Config, is_deepseek_v4
+from kvserve.model.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config, is_deepseek_v4
 from kvserve.model.deepseek_v4.graphs import V4Graphs, V4Step, capture_sizes, context_buckets
 from kvserve.model.deepseek_v4.loader import DUMMY_CONFIGS, DUMMY_PREFIX, dummy_config, load_deepseek_v4
 from kvserve.model.deepseek_v4.paged import PagedSequenceKV
@@ -187,11 +187,21 @@ def _warm_kernels(config: DeepseekV4Config, runner: V4Runner, max_model_len: int
     batch = warmup.padding_batch(runner.kv_storage, runner.layout.kv, max_model_len)
     layers, heads, window = _compressed_layers(config, batch), config.num_attention_heads, config.sliding_window
     attention = warmup.warm_prefill_attention(batch, layers, heads, config.head_dim, window)
+    small = warmup.warm_small_step_attention(batch, layers + _sliding_layer(config, batch), heads, config.head_dim,
+                                             window)
     gluon = warmup.warm_gluon_attention(batch, layers, heads, config.head_dim, window)
     routed = warmup.warm_moe(runner.model.layers[0].ffn, max_tokens, runner.device)
-    logger.info("built %d top-k, %d prefill attention, %d Gluon attention and %d routed-expert kernel sets "
-                "(contexts up to %d tokens, steps up to %d) in %.1f s", top_k, attention, gluon, routed,
-                max_model_len, max_tokens, time.perf_counter() - start)
+    logger.info("built %d top-k, %d prefill attention, %d small-step attention, %d Gluon attention and %d "
+                "routed-expert kernel sets (contexts up to %d tokens, steps up to %d) in %.1f s", top_k, attention,
+                small, gluon, routed, max_model_len, max_tokens, time.perf_counter() - start)
+
+
+def _sliding_layer(config: DeepseekV4Config, batch) -> list:
+    """The first sliding-only layer's pages in `batch` (`warmup.AttentionPages`), if there is one."""
+    from kvserve.model.deepseek_v4.kernels.warmup import AttentionPages
+    if SLIDING not in config.layer_types:
+        return []
+    return [AttentionPages(batch.page("sliding", config.layer_types.index(SLIDING)), None, 0, None)]
 
 
 def _compressed_layers(config: DeepseekV4Config, batch) -> list:

@@ -13,6 +13,9 @@ Long prefill chunks take the attention's prefill config, whose HCA build no star
 (the memory profile's chunk is short of context, so its HCA layers take the planned config);
 `warm_prefill_attention` builds it, and the CSA one, on one padding token. Shorter chunks take the
 Gluon kernel while their plan is small, a build per octave of keys a token (`warm_gluon_attention`).
+Steps of up to 8 tokens take the small-step config and its split reduction, a build per power of
+two of the splits the plan gives (`warm_small_step_attention`): graph capture made only those of
+the steps it captures, so an eager engine's first decodes compiled the rest.
 The routed experts' route and GEMMs build per tile config and pair block (`warm_moe`).
 Every pointer Triton sees starts 16-byte aligned (the indexer scores long chunks in parts of a
 multiple of 16 rows): an unaligned one would ask for a build of its own.
@@ -26,12 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from kvserve.cache.v4_specs import V4KVLayout
 from kvserve.model.deepseek_v4.kernels.indexer import TOP_K_CONFIG, TopKBuild, score_width, top_k_indices
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch
-from kvserve.model.deepseek_v4.kernels.sparse_attention import (PREFILL_CONFIG, _gluon_module, _max_keys,
-                                                               row_align_of, sparse_attention)
+from kvserve.model.deepseek_v4.kernels.sparse_attention import (DECODE_CONFIGS, PREFILL_CONFIG, _gluon_module,
+                                                               _max_keys, plan_splits, row_align_of,
+                                                               sm_count, sparse_attention)
 
 
 logger = logging.getLogger(__name__)
@@ -115,11 +120,11 @@ def warm_top_k(device: torch.device, max_model_len: int, rate: int, k: int) -> i
 
 @dataclass(frozen=True)
 class AttentionPages:
-    """One compressed layer's pages and constants, as its attention launch takes them."""
+    """One attention layer's pages and constants, as its attention launch takes them."""
     sliding: PageRef
-    entries: PageRef
+    entries: PageRef | None   # a sliding-only layer: None (rate 0)
     rate: int
-    topk: int | None   # CSA: the indexer's k; HCA: None
+    topk: int | None   # CSA: the indexer's k; HCA and sliding-only: None
 
 
 def warm_prefill_attention(batch: V4PagedBatch, layers: list[AttentionPages], heads: int, head_dim: int,
@@ -136,6 +141,48 @@ def warm_prefill_attention(batch: V4PagedBatch, layers: list[AttentionPages], he
         sparse_attention(q, layer.sliding, layer.entries, indices, sinks, head_dim ** -0.5, window, layer.rate, batch,
                          torch.empty_like(q), config)
     return len(layers)
+
+
+def small_step_splits(max_keys: int, heads: int, num_sms: int) -> list[int]:
+    """One split count for each build of the split reduction (its `SPLITS_POW2`) that the small-step
+    config (`DECODE_CONFIGS[0]`) plans for steps of up to its token bound over up to `max_keys` keys
+    a token. The plan reads the keys as tiles only, so a tile count stands for every key count in it."""
+    bound, config = DECODE_CONFIGS[0]
+    head_groups = triton.cdiv(heads, config.block_h or max(16, triton.next_power_of_2(heads)))
+    first: dict[int, int] = {}
+    for tiles in range(1, triton.cdiv(max_keys, config.block_n) + 1):
+        for n in range(1, bound + 1):
+            splits = plan_splits(n, tiles * config.block_n, num_sms, config, head_groups)
+            if splits > 1:
+                first.setdefault(max(2, triton.next_power_of_2(splits)), splits)
+    return sorted(first.values())
+
+
+def warm_small_step_attention(batch: V4PagedBatch, layers: list[AttentionPages], heads: int, head_dim: int,
+                              window: int) -> int:
+    """The small-step config's builds (`DECODE_CONFIGS[0]`: steps of up to 8 tokens, below the Gluon
+    kernel): its attention once per layer kind (sliding-only included), then its split reduction
+    once per build those steps plan up to the most keys a token has at `batch.max_seq_len`
+    (`small_step_splits`). Graph capture builds only those of the steps it captures: an eager
+    engine's first decode, and a short prompt's step, would build the rest. One padding token.
+    Returns the launches."""
+    if not layers:
+        return 0
+    device, config = batch.storage.device, DECODE_CONFIGS[0][1]
+    q = torch.zeros(1, heads, head_dim, dtype=batch.storage.dtype, device=device)
+    sinks = torch.zeros(heads, dtype=torch.float32, device=device)
+    keys = {i: _max_keys(batch, window, layer.rate, layer.topk) for i, layer in enumerate(layers)}
+    widest = max(keys, key=keys.get)
+    launches = [(i, 1) for i in range(len(layers))]
+    launches += [(widest, s) for s in small_step_splits(keys[widest], heads, sm_count(device))]
+
+    def launch(item: tuple[int, int]) -> None:
+        layer = layers[item[0]]
+        indices = None if layer.topk is None else torch.full((1, layer.topk), -1, dtype=torch.int32, device=device)
+        sparse_attention(q, layer.sliding, layer.entries, indices, sinks, head_dim ** -0.5, window, layer.rate, batch,
+                         torch.empty_like(q), replace(config, num_splits=item[1]))
+    _each(launch, launches, device)
+    return len(launches)
 
 
 def gluon_tile_bounds(max_keys: int) -> list[int]:
