@@ -140,8 +140,9 @@ def test_the_small_step_splits_meet_every_reduction_build(num_sms):
     from kvserve.model.deepseek_v4.kernels.warmup import small_step_splits
     bound, config = DECODE_CONFIGS[0]
     pow2 = lambda s: max(2, triton.next_power_of_2(s))   # noqa: E731 (the kernel's SPLITS_POW2)
-    planned = {plan_splits(n, keys, num_sms, config) for n in range(1, bound + 1) for keys in range(1, 1153)}
-    warmed = small_step_splits(1152, 64, num_sms)
+    most = 128 + 131072 // 128   # an HCA token's keys at 128K: its window and every entry
+    planned = {plan_splits(n, keys, num_sms, config) for n in range(1, bound + 1) for keys in range(1, most + 1)}
+    warmed = small_step_splits(most, 64, num_sms)
     assert {pow2(s) for s in planned if s > 1} == {pow2(s) for s in warmed}
     assert set(warmed) <= planned and len(warmed) == len({pow2(s) for s in warmed})
 
