@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import v4_launch_variants as lv  # noqa: E402
+from tests.triton_interpreter import run_interpreted  # noqa: E402
 
 CONTEXTS = list(range(1000, 131072, 777))
 
@@ -145,6 +146,36 @@ def test_the_small_step_splits_meet_every_reduction_build(num_sms):
     warmed = small_step_splits(most, 64, num_sms)
     assert {pow2(s) for s in planned if s > 1} == {pow2(s) for s in warmed}
     assert set(warmed) <= planned and len(warmed) == len({pow2(s) for s in warmed})
+
+
+SMALL_STEPS_RUN = """
+import sys, torch
+from kvserve.cache.v4_specs import v4_kv_layout
+from kvserve.model.deepseek_v4 import loader
+from kvserve.model.deepseek_v4.engine import _compressed_layers, _sliding_layer
+from kvserve.model.deepseek_v4.kernels import warmup
+import kvserve.model.deepseek_v4.kernels.sparse_attention
+sa = sys.modules["kvserve.model.deepseek_v4.kernels.sparse_attention"]
+config = loader.dummy_config("tiny-deepseek-v4", {})
+layout = v4_kv_layout(config, 16)
+batch = warmup.padding_batch(torch.zeros(8, layout.unit), layout, 65536)
+layers = _compressed_layers(config, batch) + _sliding_layer(config, batch)
+kernel, seen = sa._reduce_kernel, []
+class Reduce:
+    def __getitem__(self, grid):
+        return lambda *a, **k: seen.append(k["SPLITS_POW2"]) or kernel[grid](*a, **k)
+sa._reduce_kernel = Reduce()
+n = warmup.warm_small_step_attention(batch, layers, config.num_attention_heads, config.head_dim, config.sliding_window)
+print(len(layers), n, sorted(seen))
+"""
+
+
+def test_the_small_step_warm_up_runs_its_launches_under_the_interpreter():
+    """The small-step warm-up's launches run (not only record), on a tiny V4's padding batch at
+    64K: one per layer kind (CSA, HCA, sliding-only) with one split, then the reductions the plan
+    asks for on the interpreter's 4 SMs (splits 2 and 4)."""
+    out = run_interpreted(SMALL_STEPS_RUN, timeout=300)
+    assert out.split("\n")[-2] == "3 5 [2, 4]"
 
 
 def test_the_warm_up_builds_the_routed_experts_every_step_size_asks_for():
