@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="at the tail of a burst, rotate KV-blocked requests in every N steps (0: off)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "prefix"],
                    help="admission order (prefix: requests sharing a running request's prefix may go first)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="at most this many tokens of one request a step (vLLM's flag; 0: off)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs of this host to split the model over (one process each)")
     p.add_argument("--seed", type=int, default=0)
@@ -51,7 +53,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 enforce_eager=a.enforce_eager, seed=a.seed, cpu_kv_cache_gb=a.cpu_kv_cache_gb,
                 eviction_policy=a.eviction_policy, preemption_mode=a.preemption_mode,
                 kv_rotation_interval=a.kv_rotation_interval,
-                scheduling_policy=a.scheduling_policy, tensor_parallel_size=a.tensor_parallel_size)
+                scheduling_policy=a.scheduling_policy, tensor_parallel_size=a.tensor_parallel_size,
+                long_prefill_token_threshold=a.long_prefill_token_threshold)
 
 
 def _json_object(text: str) -> dict[str, Any]:

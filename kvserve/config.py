@@ -65,6 +65,10 @@ class SchedulerConfig:
     # shares its first block with a running, prefilled request may go first
     # (its prefix costs no new blocks); see scheduler.py.
     scheduling_policy: str = "fcfs"
+    # > 0: a request computes at most this many tokens a step (vLLM's
+    # long_prefill_token_threshold): a long prompt's chunks stay short beside
+    # the decodes they share a step with. 0: only the step's budget bounds them.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -72,6 +76,9 @@ class SchedulerConfig:
                              f"got {self.scheduling_policy!r}")
         if self.kv_rotation_interval < 0:
             raise ValueError(f"kv_rotation_interval must be >= 0, got {self.kv_rotation_interval}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got "
+                             f"{self.long_prefill_token_threshold}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -107,6 +114,7 @@ class EngineArgs:
     kv_copy_bandwidth_gbps: float = 25.0
     kv_rotation_interval: int = 0
     scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
     # Ranks (GPUs of one host) each holding a shard of the model; 1: no
     # tensor parallelism, no extra process (kvserve/distributed/).
     tensor_parallel_size: int = 1
@@ -156,7 +164,8 @@ class EngineArgs:
         return SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                max_model_len=max_model_len,
                                kv_rotation_interval=self.kv_rotation_interval,
-                               scheduling_policy=self.scheduling_policy)
+                               scheduling_policy=self.scheduling_policy,
+                               long_prefill_token_threshold=self.long_prefill_token_threshold)
 
 
 USAGES = ("llm", "server")

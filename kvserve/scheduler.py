@@ -7,7 +7,9 @@ it further along, and preemption by recompute sets it back to zero. The
 scheduler reaches the KV cache only through `KVCacheManager`.
 
 Policy: running requests first (oldest first), then waiting ones first come
-first served. When blocks run out, the most recently admitted running request
+first served, each computing at most `long_prefill_token_threshold` tokens a
+step where that is set (vLLM's knob: a long prompt's chunks stay short beside
+the decodes of their step). When blocks run out, the most recently admitted running request
 is preempted, so the oldest always progresses and is never starved. A victim
 is swapped out to the host tier instead of recomputed when `PreemptionCosts`
 estimates the copies (out and back) cheaper than recomputing its tokens; a
@@ -393,6 +395,7 @@ class Scheduler:
             fast = held.rows
             return fast, budget - len(fast), (len(fast), len(fast))
         multi = known = None
+        cap = self.config.long_prefill_token_threshold or budget
         append = rows.append
         lefts = self._lefts = []
         for request in self.running:  # hot loop: Request's properties inlined
@@ -404,8 +407,9 @@ class Scheduler:
             lefts.append(left)
             start = request.num_computed_tokens
             num_left = len(request.prompt_token_ids) + num_output + pending - start
-            if num_left != 1 and multi is None:
-                multi = len(rows)
+            if num_left != 1:
+                multi = len(rows) if multi is None else multi
+                num_left = min(num_left, cap)   # a prompt's chunk (a decode row computes 1)
             if not pending and known is None:
                 known = len(rows)
             if num_left >= budget:  # the budget's last row
@@ -508,7 +512,7 @@ class Scheduler:
             skips_hit = _loses_prompt_logprobs(request, computed, num_hit)
             if skips_hit:
                 computed, num_hit = ComputedBlocks([], 0), 0
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = min(request.num_tokens - num_hit, budget, self.config.long_prefill_token_threshold or budget)
             if not deferring and out.scheduled and computed.num_host_blocks:
                 out.kv_copies = self.kv_cache.take_pending_copies()  # what this forward waits for
                 deferring = True

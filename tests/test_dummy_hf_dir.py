@@ -128,6 +128,9 @@ def test_cli_flags_reach_the_engine_args(shape_only):
     kwargs = engine_kwargs(args)
     assert (kwargs["load_format"], kwargs["tokenizer"]) == ("dummy", str(shape_only))
     assert kwargs["hf_overrides"] == {"num_hidden_layers": 2}
+    assert kwargs["long_prefill_token_threshold"] == 0   # off unless asked
+    args = build_parser().parse_args(["serve", "--long-prefill-token-threshold", "256"])
+    assert engine_kwargs(args)["long_prefill_token_threshold"] == 256
 
 
 def test_cli_generate_with_a_dummy_directory(shape_only, capsys):

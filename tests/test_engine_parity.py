@@ -60,6 +60,28 @@ def test_same_outputs_under_chunking_and_preemption(checkpoints, kind, block_siz
     assert metrics["kv_cache_usage_perc"] == 0.0
 
 
+@pytest.mark.parametrize("kind", ["qwen3-hybrid", "llama"])
+def test_long_prefill_token_threshold_keeps_hf_parity(checkpoints, kind):
+    """vLLM's long_prefill_token_threshold: every prompt computes at most 7 tokens a step (the
+    budget would take them whole), so each prompt over 7 tokens prefills in chunks beside the
+    others' decodes; the outputs stay HF's, and the chunks were that short."""
+    prompts, refs = checkpoints
+    path, expected = refs[kind]
+    llm = LLM(str(path), dtype="float32", device="cpu", long_prefill_token_threshold=7)
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def logged():
+        out = schedule()
+        steps.append(max((item.num_new_tokens for item in out.scheduled), default=0))
+        return out
+    llm.engine.scheduler.schedule = logged
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(steps) == 7
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3-hybrid"])
 def test_staggered_finishes_keep_hf_parity(checkpoints, kind, monkeypatch):
     """Requests that finish one after another in the middle of steady decode

@@ -34,11 +34,12 @@ SAMPLED = 7  # the stub engine's token
 
 def scheduler(num_blocks: int, *, block_size: int = 4, budget: int = 64, max_num_seqs: int = 8,
               rotation: int = 0, caching: bool = False, host: HostTier | None = None,
-              costs: PreemptionCosts | None = None, policy: str = "fcfs") -> Scheduler:
+              costs: PreemptionCosts | None = None, policy: str = "fcfs", long_prefill: int = 0) -> Scheduler:
     kv = KVCacheManager(make_kv_cache_groups([FullAttentionSpec()]), num_blocks, block_size,
                         enable_prefix_caching=caching, eviction_policy="lru", host_tier=host)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                             max_model_len=512, kv_rotation_interval=rotation, scheduling_policy=policy)
+                             max_model_len=512, kv_rotation_interval=rotation, scheduling_policy=policy,
+                             long_prefill_token_threshold=long_prefill)
     return Scheduler(config, kv, costs)
 
 
@@ -88,6 +89,27 @@ def test_chunked_prefill_under_the_budget_and_the_sequence_cap():
     ])
     assert not s.has_unfinished and s.kv_cache.num_free_blocks == 63
     assert [r.status for r in (a, b, c)] == [RequestStatus.FINISHED_LENGTH] * 3
+
+
+def test_long_prefill_token_threshold_caps_each_requests_chunk():
+    """vLLM's long_prefill_token_threshold: at most 4 tokens of one request a step, waiting or
+    running, while the budget (10) would take more; decode rows are untouched."""
+    s = scheduler(64, budget=10, long_prefill=4)
+    a, b = request("A", 9, 2), request("B", 2, 3)
+    for r in (a, b):
+        s.add_request(r)
+    run(s, [
+        ([("A", 4, 0), ("B", 2, 0)], []),   # A capped at 4; B's whole prompt fits under it
+        ([("A", 4, 4), ("B", 1, 2)], []),   # A's next chunk beside B's decode
+        ([("A", 1, 8), ("B", 1, 3)], []),   # A's last prompt token; B finishes
+        ([("A", 1, 9)], []),
+    ])
+    assert not s.has_unfinished
+
+
+def test_long_prefill_token_threshold_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be >= 0 \(0: off\), got -1"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_step_output_totals():
