@@ -9,12 +9,12 @@ scheduler reaches the KV cache only through `KVCacheManager`.
 Policy: running requests first (oldest first), then waiting ones first come
 first served, each computing at most `long_prefill_token_threshold` tokens a
 step where that is set (vLLM's knob: a long prompt's chunks stay short beside
-the decodes of their step). When blocks run out, the most recently admitted running request
-is preempted, so the oldest always progresses and is never starved. A victim
-is swapped out to the host tier instead of recomputed when `PreemptionCosts`
-estimates the copies (out and back) cheaper than recomputing its tokens; a
-swapped request is re-admitted like any other, its KV coming back as a hit.
-Block copies the KV cache queued during a step travel in `kv_copies`.
+the decodes of their step). When blocks run out, the most recently admitted
+running request is preempted, so the oldest always progresses and is never
+starved. A victim is swapped out to the host tier instead of recomputed when
+`PreemptionCosts` estimates the copies (out and back) cheaper than recomputing
+its tokens; a swapped request is re-admitted like any other, its KV coming
+back as a hit. Block copies the KV cache queued during a step travel in `kv_copies`.
 
 Load-ahead admission: a waiting request whose hit must be loaded from the
 host tier (a host hit or a swap-in), admitted while other requests run this
