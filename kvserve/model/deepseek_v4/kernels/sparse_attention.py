@@ -111,6 +111,11 @@ def _gluon_module():
                                  "V4 attention runs the Triton kernels")
 
 
+def head_block(config: SparseAttentionConfig, num_heads: int) -> int:
+    """Query heads a program holds: the config's, else all of them (at least 16: a dot operand)."""
+    return config.block_h or max(16, triton.next_power_of_2(num_heads))
+
+
 def plan_splits(num_tokens: int, max_keys: int, num_sms: int, config: SparseAttentionConfig,
                 head_groups: int = 1) -> int:
     """Splits per token (and head group): the count with the least modelled
@@ -370,7 +375,7 @@ def sparse_attention(q: torch.Tensor, sliding: PageRef, entries: PageRef | None,
     topk = indices.shape[1] if indices is not None else None
     max_keys = max(1, _max_keys(batch, window, rate, topk))
     config = config if config is not None else default_config(num_tokens, max_keys)
-    block_h = config.block_h or max(16, triton.next_power_of_2(num_heads))
+    block_h = head_block(config, num_heads)
     head_groups = triton.cdiv(num_heads, block_h)
     num_splits = plan_splits(num_tokens, max_keys, sm_count(q.device), config, head_groups)
     pages = entries if entries is not None else PageRef(sliding.table, 0, 1, 0)

@@ -35,8 +35,8 @@ from kvserve.cache.v4_specs import V4KVLayout
 from kvserve.model.deepseek_v4.kernels.indexer import TOP_K_CONFIG, TopKBuild, score_width, top_k_indices
 from kvserve.model.deepseek_v4.kernels.pages import PageRef, V4PagedBatch
 from kvserve.model.deepseek_v4.kernels.sparse_attention import (DECODE_CONFIGS, PREFILL_CONFIG, _gluon_module,
-                                                               _max_keys, plan_splits, row_align_of,
-                                                               sm_count, sparse_attention)
+                                                               _max_keys, head_block, plan_splits,
+                                                               row_align_of, sm_count, sparse_attention)
 
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def small_step_splits(max_keys: int, heads: int, num_sms: int) -> list[int]:
     config (`DECODE_CONFIGS[0]`) plans for steps of up to its token bound over up to `max_keys` keys
     a token. The plan reads the keys as tiles only, so a tile count stands for every key count in it."""
     bound, config = DECODE_CONFIGS[0]
-    head_groups = triton.cdiv(heads, config.block_h or max(16, triton.next_power_of_2(heads)))
+    head_groups = triton.cdiv(heads, head_block(config, heads))
     first: dict[int, int] = {}
     for tiles in range(1, triton.cdiv(max_keys, config.block_n) + 1):
         for n in range(1, bound + 1):
