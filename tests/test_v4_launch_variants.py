@@ -149,7 +149,8 @@ def test_the_small_step_splits_meet_every_reduction_build(num_sms):
 
 
 SMALL_STEPS_RUN = """
-import sys, torch
+import os, sys, torch
+os.environ["KVSERVE_WARMUP_THREADS"] = "1"   # the interpreter is not thread-safe: a thread's failure would rerun a build
 from kvserve.cache.v4_specs import v4_kv_layout
 from kvserve.model.deepseek_v4 import loader
 from kvserve.model.deepseek_v4.engine import _compressed_layers, _sliding_layer
@@ -258,6 +259,15 @@ def test_the_warm_up_threads_run_every_build_and_pass_on_a_failure(monkeypatch):
         done.append(item)
     warmup._each(fails_on_workers, list(range(7)), torch.device("cpu"))   # falls back to one at a time
     assert sorted(done) == list(range(7))
+    calls = []
+
+    def four_fails_on_a_worker(item):
+        calls.append(item)
+        if item == 4 and threading.current_thread().name.startswith("v4-warmup"):
+            raise RuntimeError("build 4 failed on a worker")
+    warmup._each(four_fails_on_a_worker, list(range(7)), torch.device("cpu"))
+    # the failed build runs again; the rest run once, on a worker or (cancelled by 4's failure) in turn
+    assert sorted(calls) == [0, 1, 2, 3, 4, 4, 5, 6]
     monkeypatch.setenv(warmup.WARMUP_THREADS_ENV, "0")
     with pytest.raises(ValueError, match="KVSERVE_WARMUP_THREADS must be a whole number >= 1, got '0'"):
         warmup._each(record, [1, 2], torch.device("cpu"))

@@ -63,10 +63,13 @@ def _each(fn, items: list, device: torch.device) -> None:
         with torch.no_grad():   # grad mode is per thread: a worker's starts on
             fn(item)
 
-    def work(item):
+    done: set[int] = set()
+
+    def work(i):
         if index is not None:
             torch.cuda.set_device(index)   # a new thread's current device is the first GPU
-        run(item)
+        run(items[i])
+        done.add(i)
     if threads <= 1:
         for item in items:
             run(item)
@@ -76,12 +79,13 @@ def _each(fn, items: list, device: torch.device) -> None:
     run(items[0])
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="v4-warmup") as pool:
-            list(pool.map(work, items[1:]))   # re-raises the first failure
+            list(pool.map(work, range(1, len(items))))   # re-raises the first failure
     except Exception as e:   # a build that fails on a thread alone must not stop the engine: again, in turn
-        logger.warning("V4 start-up builds on %d threads failed (%s: %s): building them one at a time", threads,
-                       type(e).__name__, e)
-        for item in items[1:]:
-            run(item)
+        logger.warning("V4 start-up builds on %d threads failed (%s: %s): building the other %d one at a time",
+                       threads, type(e).__name__, e, len(items) - 1 - len(done))
+        for i in range(1, len(items)):
+            if i not in done:
+                run(items[i])
 
 
 def cuda_index(device: torch.device) -> int | None:
