@@ -20,7 +20,7 @@ walking tokens through one ring) were no faster (80.4 us at 256) and are gone.
 Each consumer runs a tile serially (S wgmma, wait, softmax, PV wgmma, wait). FA3's order (S(j)
 issued before P(j-1) V(j-1); a slot then released a tile later, two slots held per consumer) was
 probed as "n64 st2 overlap" and "n32 st4 overlap": 7-23% slower than "n64 st2" at batch 64, 256
-and 512 (H100, 2026-12-05, docs/BENCHMARKS.md), and removed. Split-S with fp32
+and 512 (H100, 2026-12-05, docs/BENCHMARKS_HISTORY.md), and removed. Split-S with fp32
 partial scores needs 2 x 16 KB of exchange at BLOCK_N 64, more than "n64 st2" leaves free
 (about 30 KB); at BLOCK_N 32 it fits.
 Dim parts ("parts2"): two programs a token fill 128 of 132 SMs at batch 64 where one part fills

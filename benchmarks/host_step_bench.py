@@ -44,7 +44,7 @@ GPU (`kvserve/runner/cuda_wait.py`; records before 2026-12-04 ran CUDA's default
 After the table a line says what else ran during each count's timed steps: this process's
 involuntary context switches a step, the machine's steal time (a VM's vCPUs kept waiting), and
 the core the engine's thread last ran on with its clock. The same code on the same H200 host has
-read 989 and 1,448 us at 256 in two processes (docs/BENCHMARKS.md); these say which of those
+read 989 and 1,448 us at 256 in two processes (docs/BENCHMARKS_HISTORY.md); these say which of those
 causes, if any, differed.
 
 Requests are staggered in prompt length so block-boundary allocations spread

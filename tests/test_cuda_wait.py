@@ -12,7 +12,7 @@ from kvserve.runner import cuda_wait
 
 def test_default_is_cudas_own(monkeypatch):
     """CUDA's default: an alternating repeat showed no host-time gain from spinning, which costs
-    a busy core (docs/BENCHMARKS.md)."""
+    a busy core (docs/BENCHMARKS_HISTORY.md)."""
     monkeypatch.delenv("KVSERVE_CUDA_WAIT", raising=False)
     assert cuda_wait.wait_mode_from_env() == "auto"
     monkeypatch.setenv("KVSERVE_CUDA_WAIT", "spin")
